@@ -1,0 +1,17 @@
+"""kernel_lib: the optimized components of the course "Making PyTorch fast on GPUs".
+
+Each kernel family lives in one file (``rms_norm.py``, ``attention.py``, ``moe.py`` ...) that works on its
+own with ``_utils.py``; copy the two into a project to use a kernel. This package also holds the course's
+measuring tools:
+
+* :mod:`kernel_lib.bench`: timing with CUDA events, measured ceilings, CSV rows and plots;
+* :mod:`kernel_lib.validate`: the float64 comparison rule every kernel passes.
+
+Kernels are exported here as they land.
+"""
+
+from . import bench, validate
+
+__version__ = "0.1.0"
+
+__all__ = ["bench", "validate", "__version__"]

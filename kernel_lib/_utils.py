@@ -1,0 +1,189 @@
+"""What every kernel file in kernel_lib shares: where a kernel may run, input checks, and configs.
+
+Three things decide how a call runs:
+
+* CUDA tensors run the compiled Triton kernel.
+* CPU tensors run the same Triton kernel under Triton's interpreter when ``TRITON_INTERPRET=1`` was set
+  *before* triton was imported (that is how the tests and CPU notebook runs exercise the kernels).
+* CPU tensors without the interpreter fall back to the plain PyTorch reference, and say so once.
+
+Kernel configs are pruned by the shared memory of the device they launch on, so a config tuned on an
+H100 (228 KB per SM) never reaches an RTX 4090 (100 KB) or an A10G; under the interpreter a single
+config is used, because the interpreter cannot autotune over several.
+
+This file depends on torch alone (triton is imported lazily), so it can be copied with any kernel file.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Emit ``message`` as a UserWarning the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Where a kernel runs
+# --------------------------------------------------------------------------------------------------
+def is_interpreting() -> bool:
+    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def use_triton(*tensors: torch.Tensor, op: str = "kernel") -> bool:
+    """Decide whether ``op`` runs its Triton kernel on these tensors (True) or the reference (False).
+
+    CUDA tensors: always the kernel. CPU tensors: the kernel under the interpreter, else the reference,
+    with a one-time warning saying so. Any other device raises, naming it.
+    """
+    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    if devices <= {"cuda"}:
+        return True
+    if devices <= {"cpu"}:
+        if is_interpreting():
+            return True
+        warn_once(
+            f"cpu-fallback-{op}",
+            f"kernel_lib.{op}: CPU tensors and TRITON_INTERPRET is not set, so the plain PyTorch "
+            "reference runs instead of the Triton kernel. Set TRITON_INTERPRET=1 before importing "
+            "triton to run the kernel itself on the CPU.",
+        )
+        return False
+    raise ValueError(f"kernel_lib.{op}: tensors on unsupported device(s) {sorted(devices)}; use cuda or cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# Input checks: raise TypeError / ValueError naming the argument
+# --------------------------------------------------------------------------------------------------
+def check_tensor(
+    x: object,
+    name: str,
+    *,
+    dtypes: Sequence[torch.dtype] | None = FLOAT_DTYPES,
+    ndim: int | Iterable[int] | None = None,
+    min_ndim: int | None = None,
+) -> torch.Tensor:
+    """Check that ``x`` is a tensor with an allowed dtype and rank; return it unchanged."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if dtypes is not None and x.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(x.dtype).replace('torch.', '')}")
+    if ndim is not None:
+        allowed_ndim = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if x.dim() not in allowed_ndim:
+            raise ValueError(f"{name} must have {' or '.join(map(str, allowed_ndim))} dims, got shape {tuple(x.shape)}")
+    if min_ndim is not None and x.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_shape(x: torch.Tensor, name: str, shape: Sequence[int]) -> None:
+    """Raise ValueError unless ``x.shape == shape``."""
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """Raise ValueError if the given tensors (None skipped) are not all on one device; return it."""
+    named = {k: v for k, v in tensors.items() if v is not None}
+    devices = {k: v.device for k, v in named.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{k} on {d}" for k, d in devices.items())
+        raise ValueError(f"tensors must be on one device, got {listing}")
+    return next(iter(devices.values()))
+
+
+def check_same_dtype(**tensors: torch.Tensor | None) -> torch.dtype:
+    """Raise TypeError if the given tensors (None skipped) do not share one dtype; return it."""
+    named = {k: v for k, v in tensors.items() if v is not None}
+    dtypes = {k: v.dtype for k, v in named.items()}
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{k} is {str(d).replace('torch.', '')}" for k, d in dtypes.items())
+        raise TypeError(f"tensors must share one dtype, got {listing}")
+    return next(iter(dtypes.values()))
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View ``x`` (..., D) as (rows, D) with unit stride along D, copying only when a view is impossible.
+
+    Kernels take a row stride, so any layout whose last dim is contiguous and whose leading dims
+    collapse into one stride is passed through without a copy.
+    """
+    if x.dim() == 0:
+        raise ValueError("expected a tensor with at least one dim, got a scalar")
+    if x.stride(-1) != 1 and x.shape[-1] != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, x.shape[-1])  # (rows, D)
+    except RuntimeError:  # leading dims do not collapse into one stride
+        return x.contiguous().view(-1, x.shape[-1])  # (rows, D)
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def shared_memory_limit(device_index: int = 0) -> int:
+    """Bytes of shared memory one program (thread block) may use on a CUDA device."""
+    try:  # Triton's own view of the device, the number its compiler checks against
+        from triton.runtime import driver
+
+        return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - older triton or no driver: ask torch
+        props = torch.cuda.get_device_properties(device_index)
+        for attr in ("shared_memory_per_block_optin", "shared_memory_per_block"):
+            if hasattr(props, attr):
+                return int(getattr(props, attr))
+        return 48 * 1024  # the CUDA minimum every GPU since Kepler offers
+
+
+def device_index_of(args: dict) -> int | None:
+    """The CUDA device index of the first CUDA tensor among ``args``' values, or None."""
+    for value in args.values():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            return value.device.index if value.device.index is not None else torch.cuda.current_device()
+    return None
+
+
+def configs_for_autotune(configs: Sequence) -> list:
+    """The configs to hand ``triton.autotune``: all of them compiled, only the first interpreted.
+
+    The interpreter cannot benchmark, and autotune benchmarks whenever it holds more than one config,
+    so the first config in each list must be one that runs everywhere.
+    """
+    configs = list(configs)
+    if not configs:
+        raise ValueError("configs must not be empty")
+    return configs[:1] if is_interpreting() else configs
+
+
+def prune_by_shared_memory(smem_bytes: Callable[[object, dict], int]) -> Callable:
+    """Build an ``early_config_prune`` hook for ``triton.autotune`` that drops configs too large for the device.
+
+    ``smem_bytes(config, named_args)`` estimates a config's shared memory. If none fits, the smallest is
+    kept so the launch fails with Triton's own message rather than an empty config list.
+    """
+
+    def prune(configs: list, named_args: dict, **kwargs) -> list:
+        index = device_index_of({**named_args, **kwargs})
+        if index is None:
+            return configs
+        limit = shared_memory_limit(index)
+        fitting = [c for c in configs if smem_bytes(c, {**named_args, **kwargs}) <= limit]
+        return fitting or [min(configs, key=lambda c: smem_bytes(c, {**named_args, **kwargs}))]
+
+    return prune

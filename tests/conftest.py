@@ -1,0 +1,25 @@
+"""Shared fixtures. Without a GPU, Triton kernels run under the interpreter, which must be switched on
+before triton is first imported: that is why this happens here, at the top of the test session."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def device() -> str:
+    """Where kernels run in this session: the GPU when there is one, else the CPU (interpreted)."""
+    return "cuda" if HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run with `make test-gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,98 @@
+"""kernel_lib.bench: timing, ceilings, CSV rows and plots."""
+
+import csv
+import time
+
+import pytest
+import torch
+
+from kernel_lib import bench
+
+
+def test_throughput_units():
+    assert bench.gbps(2e9, 1.0) == pytest.approx(2000.0)  # 2 GB in 1 ms
+    assert bench.tflops(1e12, 1000.0) == pytest.approx(1.0)  # 1e12 FLOP in 1 s
+
+
+@pytest.mark.parametrize("q, expected", [(0.0, 1.0), (0.5, 2.5), (1.0, 4.0), (0.2, 1.6)])
+def test_quantile_interpolates(q, expected):
+    assert bench._quantile([1.0, 2.0, 3.0, 4.0], q) == pytest.approx(expected)
+
+
+def test_time_fn_on_cpu_measures_a_known_duration():
+    timing = bench.time_fn(lambda: time.sleep(0.002), warmup_ms=5, rep_ms=60, device="cpu")
+    assert timing.timer == "cpu-perf-counter"
+    assert 1.9 <= timing.median_ms <= 30  # sleep never returns early; a loaded machine may be late
+    assert timing.p20_ms <= timing.median_ms <= timing.p80_ms
+    assert len(timing.samples_ms) >= 3
+
+
+def test_time_fn_orders_work_by_size():
+    small, large = torch.randn(64, 64), torch.randn(512, 512)
+    t_small = bench.time_fn(lambda: small @ small, warmup_ms=5, rep_ms=50, device="cpu")
+    t_large = bench.time_fn(lambda: large @ large, warmup_ms=5, rep_ms=50, device="cpu")
+    assert t_large.median_ms > 10 * t_small.median_ms  # 512x the FLOPs
+
+
+def test_time_fn_rejects_unknown_device():
+    with pytest.raises(ValueError, match="cuda or cpu"):
+        bench.time_fn(lambda: None, device="meta")
+
+
+def test_ceilings_on_cpu_are_positive_and_named():
+    ceilings = bench.measure_ceilings(device="cpu", matmul_n=128)
+    assert ceilings.copy_gbps > 0
+    assert set(ceilings.matmul_tflops) == {"bfloat16", "float32"}
+    assert all(v > 0 for v in ceilings.matmul_tflops.values())
+    assert [r["unit"] for r in ceilings.rows()] == ["GB/s", "TFLOP/s", "TFLOP/s"]
+    assert ceilings.device.startswith("CPU")
+
+
+def test_environment_names_versions_and_time():
+    env = bench.environment("cpu")
+    assert env["torch"] == torch.__version__
+    assert env["triton"][0].isdigit()
+    assert env["timestamp"][:2] == "20"
+
+
+def test_result_row_and_csv(tmp_path):
+    timing = bench.Timing(median_ms=2.0, p20_ms=1.5, p80_ms=2.5)
+    row = bench.result_row("copy", timing, nbytes=4e9, flops=None, shape="1x2")
+    assert row["gbps"] == pytest.approx(2000.0) and row["tflops"] is None
+    path = bench.write_csv([row], tmp_path / "sub" / "out.csv", env={"device": "test-gpu", "torch": "x"})
+    with open(path) as handle:
+        rows = list(csv.DictReader(handle))
+    assert rows[0]["name"] == "copy" and rows[0]["device"] == "test-gpu" and rows[0]["shape"] == "1x2"
+    with pytest.raises(ValueError, match="no rows"):
+        bench.write_csv([], tmp_path / "empty.csv")
+
+
+def test_frames_and_plots():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    frame = bench.to_frame([{"op": "a", "n": 2**k, "gbps": k} for k in range(4)] +
+                           [{"op": "b", "n": 2**k, "gbps": 2 * k} for k in range(4)])
+    ax = bench.plot_throughput(frame, "n", "gbps", "op", ceiling=10.0)
+    assert len(ax.get_lines()) == 3  # two ops and the ceiling
+    points = [{"name": "add", "intensity": 0.08, "tflops": 0.3}, {"name": "mm", "intensity": 500, "tflops": 600}]
+    ax = bench.plot_roofline(points, peak_tflops=700, peak_gbps=3000)
+    assert ax.get_xscale() == "log" and len(ax.collections) == 2
+    ax = bench.plot_speedup(["eager", "compiled"], [1.0, 2.5])
+    assert len(ax.patches) == 2
+    timings = {"x": bench.Timing(1.0, 0.9, 1.1, samples_ms=[1.0])}
+    assert list(bench.timing_frame(timings).columns[:2]) == ["name", "median_ms"]
+
+
+@pytest.mark.gpu
+def test_gpu_timing_and_ceilings():
+    x = torch.randn(2**26, device="cuda")  # 256 MB, beyond any L2
+    y = torch.empty_like(x)
+    flushed = bench.time_fn(lambda: y.copy_(x))
+    assert flushed.timer == "cuda-events" and flushed.flushed_l2
+    assert 100 < bench.gbps(2 * x.numel() * 4, flushed.median_ms) < 20000
+    warm = bench.time_fn(lambda: y.copy_(x), flush_l2=False)
+    assert not warm.flushed_l2 and warm.median_ms > 0
+    assert bench.copy_bandwidth(nbytes=2**28) > 100
+    assert bench.matmul_tflops(torch.bfloat16, n=4096) > 10
+    assert bench.l2_cache_bytes() > 0

@@ -1,0 +1,177 @@
+"""kernel_lib._utils: where kernels run, input checks, configs (and one real Triton kernel using them)."""
+
+import warnings
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernel_lib import _utils
+from kernel_lib._utils import (
+    as_rows,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+    configs_for_autotune,
+    prune_by_shared_memory,
+    use_triton,
+)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def test_check_tensor_accepts_and_returns():
+    x = torch.randn(3, 4)
+    assert check_tensor(x, "x", ndim=2) is x
+
+
+@pytest.mark.parametrize(
+    "value, kwargs, error, words",
+    [
+        ([1.0, 2.0], {}, TypeError, "x must be a torch.Tensor"),  # a list is not a tensor
+        (torch.ones(3, dtype=torch.int64), {}, TypeError, "int64"),  # integer tensor
+        (torch.ones(3, dtype=torch.float64), {}, TypeError, "float64"),  # float64 not among kernel dtypes
+        (torch.ones(3), {"ndim": 2}, ValueError, "must have 2 dims"),  # wrong rank
+        (torch.ones(3), {"ndim": (2, 4)}, ValueError, "2 or 4 dims"),  # none of several ranks
+        (torch.ones(3), {"min_ndim": 2}, ValueError, "at least 2 dims"),
+    ],
+)
+def test_check_tensor_rejects_naming_the_argument(value, kwargs, error, words):
+    with pytest.raises(error, match=words) as info:
+        check_tensor(value, "x", **kwargs)
+    assert "x" in str(info.value)
+
+
+def test_check_shape():
+    check_shape(torch.ones(2, 3), "w", (2, 3))
+    with pytest.raises(ValueError, match=r"w must have shape \(3,\), got \(2, 3\)"):
+        check_shape(torch.ones(2, 3), "w", (3,))
+
+
+def test_check_same_device_names_each_tensor():
+    assert check_same_device(x=torch.ones(1), w=None) == torch.device("cpu")
+    with pytest.raises(ValueError, match="x on cpu, w on meta"):
+        check_same_device(x=torch.ones(1), w=torch.ones(1, device="meta"))
+
+
+def test_check_same_dtype_names_each_tensor():
+    assert check_same_dtype(a=torch.ones(1), b=torch.ones(1)) == torch.float32
+    with pytest.raises(TypeError, match="a is float32, b is float16"):
+        check_same_dtype(a=torch.ones(1), b=torch.ones(1, dtype=torch.float16))
+
+
+@pytest.mark.parametrize(
+    "make, copies",
+    [
+        (lambda: torch.randn(2, 3, 8), False),  # contiguous: a pure view
+        (lambda: torch.randn(4, 16)[:, :8], False),  # sliced columns: rows keep their own stride
+        (lambda: torch.randn(8, 5).t(), True),  # transposed: the last dim is strided, must copy
+        (lambda: torch.randn(3, 4, 8).transpose(0, 1), True),  # leading dims do not collapse
+        (lambda: torch.randn(6, 1).expand(6, 1), False),  # width 1: any stride works
+    ],
+)
+def test_as_rows(make, copies):
+    x = make()
+    rows = as_rows(x)
+    assert rows.shape == (x.numel() // x.shape[-1], x.shape[-1])
+    assert rows.stride(-1) == 1 or rows.shape[-1] == 1
+    torch.testing.assert_close(rows, x.reshape(-1, x.shape[-1]), rtol=0, atol=0)
+    assert (rows.data_ptr() != x.data_ptr()) == copies
+
+
+def test_as_rows_rejects_scalars():
+    with pytest.raises(ValueError, match="at least one dim"):
+        as_rows(torch.tensor(1.0))
+
+
+# ------------------------------------------------------------------------------------ where kernels run
+def test_use_triton_falls_back_on_cpu_without_interpreter_and_warns_once(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_utils, "_warned", set())
+    x = torch.ones(2)
+    with pytest.warns(UserWarning, match="reference runs instead"):
+        assert use_triton(x, op="demo") is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise here
+        assert use_triton(x, op="demo") is False
+
+
+def test_use_triton_on_cpu_under_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton(torch.ones(2)) is True
+
+
+def test_use_triton_rejects_other_devices():
+    with pytest.raises(ValueError, match="meta"):
+        use_triton(torch.ones(2, device="meta"), op="demo")
+
+
+def test_configs_for_autotune(monkeypatch):
+    configs = [triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert configs_for_autotune(configs) == configs[:1]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert configs_for_autotune(configs) == configs
+    with pytest.raises(ValueError, match="empty"):
+        configs_for_autotune([])
+
+
+def _smem(config, args):
+    return config.kwargs["BLOCK"] * 4 * config.num_stages
+
+
+def test_prune_by_shared_memory_keeps_what_fits(monkeypatch):
+    configs = [triton.Config({"BLOCK": b}, num_stages=s) for b in (1024, 4096, 16384) for s in (2, 4)]
+    monkeypatch.setattr(_utils, "device_index_of", lambda args: 0)
+    monkeypatch.setattr(_utils, "shared_memory_limit", lambda index: 99 * 1024)  # a consumer GPU's 99 KB
+    kept = prune_by_shared_memory(_smem)(configs, {})
+    assert kept and all(_smem(c, {}) <= 99 * 1024 for c in kept)
+    assert len(kept) == 4  # the 16384-wide blocks need 128 and 256 KB
+    monkeypatch.setattr(_utils, "shared_memory_limit", lambda index: 1024)  # nothing fits: keep the smallest
+    assert prune_by_shared_memory(_smem)(configs, {}) == [configs[0]]
+
+
+def test_prune_by_shared_memory_leaves_cpu_alone():
+    configs = [triton.Config({"BLOCK": 1 << 20})]
+    assert prune_by_shared_memory(_smem)(configs, {"x": torch.ones(1)}) == configs
+
+
+@pytest.mark.gpu
+def test_shared_memory_limit_on_this_gpu():
+    limit = _utils.shared_memory_limit(torch.cuda.current_device())
+    assert 48 * 1024 <= limit <= 256 * 1024
+
+
+# ------------------------------------------------------------- a real kernel built with these helpers
+@triton.autotune(
+    configs=configs_for_autotune([triton.Config({"BLOCK": 128}, num_warps=4), triton.Config({"BLOCK": 1024})]),
+    key=["n"],
+    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c, a: c.kwargs["BLOCK"] * 8)},
+)
+@triton.jit
+def _scaled_add_kernel(
+    x_ptr,  # first input, n elements
+    y_ptr,  # second input, n elements
+    out_ptr,  # output, n elements
+    alpha,  # scale applied to y
+    n,  # number of elements
+    BLOCK: tl.constexpr,  # elements per program
+):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    tl.store(out_ptr + offsets, x + alpha * y, mask=mask)
+
+
+@pytest.mark.parametrize("n", [1, 1000, 4097])  # one element; not a multiple of any block
+def test_a_triton_kernel_runs_through_the_helpers(device, n):
+    from kernel_lib.validate import assert_all_written, poisoned_like, random_inputs
+
+    x, y = random_inputs((n,), (n,), device=device)
+    assert use_triton(x, y, op="scaled_add")
+    out = poisoned_like(x)
+    _scaled_add_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, out, 0.5, n)
+    assert_all_written(out)
+    torch.testing.assert_close(out, x + 0.5 * y)
