@@ -150,6 +150,36 @@ def time_fn(
     raise ValueError(f"device must be cuda or cpu, got {device_type}")
 
 
+def repeat_in_graph(fn: Callable[[], object], repeats: int, device: str | torch.device | None = None) -> Callable[[], None]:
+    """A callable that runs ``fn`` ``repeats`` times back to back with no launch overhead between them.
+
+    On a GPU the calls are captured once into a CUDA graph (after a warm-up on a side stream, as capture
+    requires) and the callable replays it; time it and divide by ``repeats`` to time kernels too short to
+    time one by one. ``fn`` must not synchronize or allocate differently between calls. On the CPU the
+    callable is a plain loop.
+    """
+    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if device_type != "cuda":
+        def loop() -> None:
+            for _ in range(repeats):
+                fn()
+
+        return loop
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    return graph.replay
+
+
 def gbps(nbytes: float, ms: float) -> float:
     """Throughput in GB/s (1e9 bytes per second) of moving ``nbytes`` in ``ms`` milliseconds."""
     return nbytes / (ms * 1e-3) / 1e9
@@ -420,3 +450,30 @@ def plot_speedup(labels: Sequence[str], speedups: Sequence[float], *, ax=None, t
         ax.set_title(title)
     ax.invert_yaxis()
     return ax
+
+
+# --------------------------------------------------------------------------------------------------
+# Notebooks: hand a measured number to the book's prose
+# --------------------------------------------------------------------------------------------------
+def glue(name: str, value, display: bool = False) -> None:
+    """Store ``value`` in the running notebook's outputs under ``name``.
+
+    The book's prose quotes it with MyST-NB's role ``{glue:text}`name:,.0f``` (from another page:
+    ``{glue:text}`path/to/notebook.ipynb::name:,.0f```), so a number in a sentence is always the number
+    the executed cell measured. This writes the scrapbook record that ``myst_nb.glue`` writes, without
+    needing myst-nb in the kernel's environment; outside IPython it does nothing.
+    """
+    try:
+        from IPython import get_ipython
+        from IPython.core.formatters import format_display_data
+        from IPython.display import display as ipy_display
+    except ImportError:
+        return
+    if get_ipython() is None:
+        return
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # numpy / torch scalar: store the plain number
+        value = value.item()
+    bundle, metadata = format_display_data(value)
+    prefix = "" if display else "application/papermill.record/"
+    metadata["scrapbook"] = {"name": name, "mime_prefix": prefix}
+    ipy_display({prefix + k: v for k, v in bundle.items()}, raw=True, metadata=metadata)

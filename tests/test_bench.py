@@ -39,6 +39,15 @@ def test_time_fn_rejects_unknown_device():
         bench.time_fn(lambda: None, device="meta")
 
 
+def test_repeat_in_graph_runs_fn_that_many_times_on_cpu():
+    calls = []
+    run = bench.repeat_in_graph(lambda: calls.append(1), 7, device="cpu")
+    run()
+    assert len(calls) == 7
+    with pytest.raises(ValueError, match="at least 1"):
+        bench.repeat_in_graph(lambda: None, 0, device="cpu")
+
+
 def test_ceilings_on_cpu_are_positive_and_named():
     ceilings = bench.measure_ceilings(device="cpu", matmul_n=128)
     assert ceilings.copy_gbps > 0
@@ -96,3 +105,14 @@ def test_gpu_timing_and_ceilings():
     assert bench.copy_bandwidth(nbytes=2**28) > 100
     assert bench.matmul_tflops(torch.bfloat16, n=4096) > 10
     assert bench.l2_cache_bytes() > 0
+
+
+@pytest.mark.gpu
+def test_repeat_in_graph_replays_every_call():
+    x = torch.zeros(1024, device="cuda")
+    replay = bench.repeat_in_graph(lambda: x.add_(1.0), 10)  # the warm-up adds 3 before capture
+    before = x[0].item()
+    replay()
+    replay()
+    torch.cuda.synchronize()
+    assert x[0].item() == before + 20
