@@ -20,7 +20,9 @@ from kernel_lib import bench  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results", help="folder for the CSV")
-    parser.add_argument("--matmul-n", type=int, default=None, help="square matmul size (default 8192 on a GPU)")
+    parser.add_argument(
+        "--matmul-n", type=int, default=None, help="square matmul size (default 8192 on a GPU)"
+    )
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,6 +31,7 @@ def main() -> int:
     try:
         from tqdm import tqdm
     except ImportError:  # progress bars are a nicety
+
         def tqdm(items, **_):
             return items
 
@@ -36,8 +39,14 @@ def main() -> int:
     copy_sizes = [2**26, 2**28, 2**30] if device == "cuda" else [2**24]
     for nbytes in tqdm(copy_sizes, desc="copy"):
         value = bench.copy_bandwidth(nbytes=nbytes, device=device)
-        rows.append({"ceiling": "copy (read + write)", "size": f"{nbytes // 2**20} MiB per buffer", "value": value,
-                     "unit": "GB/s"})
+        rows.append(
+            {
+                "ceiling": "copy (read + write)",
+                "size": f"{nbytes // 2**20} MiB per buffer",
+                "value": value,
+                "unit": "GB/s",
+            }
+        )
     for dtype in tqdm([torch.bfloat16, torch.float16, "tf32", torch.float32], desc="matmul"):
         if device == "cpu" and dtype in (torch.float16, "tf32"):
             continue

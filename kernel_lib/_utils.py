@@ -85,7 +85,9 @@ def check_tensor(
     if ndim is not None:
         allowed_ndim = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if x.dim() not in allowed_ndim:
-            raise ValueError(f"{name} must have {' or '.join(map(str, allowed_ndim))} dims, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must have {' or '.join(map(str, allowed_ndim))} dims, got shape {tuple(x.shape)}"
+            )
     if min_ndim is not None and x.dim() < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(x.shape)}")
     return x
@@ -136,7 +138,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # Configs
 # --------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shared_memory_limit(device_index: int = 0) -> int:
     """Bytes of shared memory one program (thread block) may use on a CUDA device."""
     try:  # Triton's own view of the device, the number its compiler checks against
@@ -172,7 +174,7 @@ def configs_for_autotune(configs: Sequence) -> list:
 
 
 def prune_by_shared_memory(smem_bytes: Callable[[object, dict], int]) -> Callable:
-    """Build an ``early_config_prune`` hook for ``triton.autotune`` that drops configs too large for the device.
+    """An ``early_config_prune`` hook for ``triton.autotune`` dropping configs too large for the device.
 
     ``smem_bytes(config, named_args)`` estimates a config's shared memory. If none fits, the smallest is
     kept so the launch fails with Triton's own message rather than an empty config list.

@@ -91,12 +91,12 @@ def _cuda_event_samples(fn: Callable[[], object], warmup_ms: float, rep_ms: floa
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
-    for s, e in zip(starts, ends):
+    for s, e in zip(starts, ends, strict=True):
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
 
 
 def _do_bench_samples(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> list[float]:
@@ -112,7 +112,9 @@ def _do_bench_samples(fn: Callable[[], object], warmup_ms: float, rep_ms: float)
     return [float(s) for s in samples]
 
 
-def _cpu_samples(fn: Callable[[], object], warmup_ms: float, rep_ms: float, max_reps: int = 1000) -> list[float]:
+def _cpu_samples(
+    fn: Callable[[], object], warmup_ms: float, rep_ms: float, max_reps: int = 1000
+) -> list[float]:
     """Host-clock times of ``fn`` on the CPU: warm up for ``warmup_ms``, then time single calls."""
     deadline = time.perf_counter() + warmup_ms / 1e3
     fn()
@@ -140,7 +142,9 @@ def time_fn(
     ``device`` says where ``fn`` runs; by default CUDA when available, else CPU. On CUDA the L2 cache is
     wiped before each call unless ``flush_l2=False``. On the CPU the timer is ``time.perf_counter``.
     """
-    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = (
+        torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if device_type == "cuda":
         if flush_l2:
             return _timing_from_samples(_do_bench_samples(fn, warmup_ms, rep_ms), "cuda-events", True)
@@ -150,7 +154,9 @@ def time_fn(
     raise ValueError(f"device must be cuda or cpu, got {device_type}")
 
 
-def repeat_in_graph(fn: Callable[[], object], repeats: int, device: str | torch.device | None = None) -> Callable[[], None]:
+def repeat_in_graph(
+    fn: Callable[[], object], repeats: int, device: str | torch.device | None = None
+) -> Callable[[], None]:
     """A callable that runs ``fn`` ``repeats`` times back to back with no launch overhead between them.
 
     On a GPU the calls are captured once into a CUDA graph (after a warm-up on a side stream, as capture
@@ -158,10 +164,13 @@ def repeat_in_graph(fn: Callable[[], object], repeats: int, device: str | torch.
     time one by one. ``fn`` must not synchronize or allocate differently between calls. On the CPU the
     callable is a plain loop.
     """
-    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = (
+        torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if device_type != "cuda":
+
         def loop() -> None:
             for _ in range(repeats):
                 fn()
@@ -204,7 +213,9 @@ def _triton_version() -> str:
 
 def device_name(device: str | torch.device | None = None) -> str:
     """'NVIDIA H100 80GB HBM3' for a GPU, the processor's name for the CPU."""
-    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = (
+        torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if device_type == "cuda":
         return torch.cuda.get_device_name(torch.device(device) if device is not None else None)
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
@@ -251,7 +262,9 @@ def copy_bandwidth(nbytes: int | None = None, device: str | None = None, **timin
     return gbps(2 * n * 4, timing.median_ms)
 
 
-def matmul_tflops(dtype: torch.dtype = torch.bfloat16, n: int | None = None, device: str | None = None, **timing_kwargs) -> float:
+def matmul_tflops(
+    dtype: torch.dtype = torch.bfloat16, n: int | None = None, device: str | None = None, **timing_kwargs
+) -> float:
     """Dense n×n×n matmul throughput in TFLOP/s (2·n³ operations) through PyTorch (cuBLAS on a GPU).
 
     ``torch.float32`` is measured in strict fp32; pass the string ``"tf32"`` for the tensor-core mode.
@@ -273,7 +286,9 @@ def matmul_tflops(dtype: torch.dtype = torch.bfloat16, n: int | None = None, dev
         want = a[rows].double() @ b.double()
         rel = ((got - want).norm() / want.norm()).item()
         if not rel < 5e-2:
-            raise RuntimeError(f"matmul_tflops: product off by {rel:.2e} relative; refusing to report its speed")
+            raise RuntimeError(
+                f"matmul_tflops: product off by {rel:.2e} relative; refusing to report its speed"
+            )
     finally:
         torch.set_float32_matmul_precision(previous)
     return tflops(2 * n**3, timing.median_ms)
@@ -289,7 +304,9 @@ class Ceilings:
 
     def rows(self) -> list[dict]:
         out = [{"ceiling": "copy (read + write)", "value": self.copy_gbps, "unit": "GB/s"}]
-        out += [{"ceiling": f"matmul {k}", "value": v, "unit": "TFLOP/s"} for k, v in self.matmul_tflops.items()]
+        out += [
+            {"ceiling": f"matmul {k}", "value": v, "unit": "TFLOP/s"} for k, v in self.matmul_tflops.items()
+        ]
         return out
 
 
@@ -312,9 +329,17 @@ def measure_ceilings(
 # --------------------------------------------------------------------------------------------------
 # Results: rows, DataFrames, CSV
 # --------------------------------------------------------------------------------------------------
-def result_row(name: str, timing: Timing, *, nbytes: float | None = None, flops: float | None = None, **fields) -> dict:
+def result_row(
+    name: str, timing: Timing, *, nbytes: float | None = None, flops: float | None = None, **fields
+) -> dict:
     """One benchmark row: name, median and quantiles, GB/s and TFLOP/s where counted, and any extra fields."""
-    row = {"name": name, **fields, "median_ms": timing.median_ms, "p20_ms": timing.p20_ms, "p80_ms": timing.p80_ms}
+    row = {
+        "name": name,
+        **fields,
+        "median_ms": timing.median_ms,
+        "p20_ms": timing.p20_ms,
+        "p80_ms": timing.p80_ms,
+    }
     row["gbps"] = gbps(nbytes, timing.median_ms) if nbytes is not None else None
     row["tflops"] = tflops(flops, timing.median_ms) if flops is not None else None
     return row
@@ -348,7 +373,9 @@ def to_frame(rows: Sequence[dict]):
 
 def timing_frame(timings: dict[str, Timing]):
     """A DataFrame of several Timings, one row each, in milliseconds."""
-    rows = [{"name": k, **{f: v for f, v in asdict(t).items() if f != "samples_ms"}} for k, t in timings.items()]
+    rows = [
+        {"name": k, **{f: v for f, v in asdict(t).items() if f != "samples_ms"}} for k, t in timings.items()
+    ]
     return to_frame(rows)
 
 
@@ -385,8 +412,13 @@ def plot_throughput(
         ax.plot(group[x], group[y], marker="o", ms=3, label=str(key))
     if ceiling is not None:
         ax.axhline(ceiling, color="black", ls="--", lw=1)
-        ax.annotate(f"{ceiling_label}: {ceiling:,.0f}", (0.01, ceiling), xycoords=("axes fraction", "data"),
-                    va="bottom", fontsize=8)
+        ax.annotate(
+            f"{ceiling_label}: {ceiling:,.0f}",
+            (0.01, ceiling),
+            xycoords=("axes fraction", "data"),
+            va="bottom",
+            fontsize=8,
+        )
     if logx:
         ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel or x)
@@ -436,15 +468,27 @@ def plot_roofline(
     return ax
 
 
-def plot_speedup(labels: Sequence[str], speedups: Sequence[float], *, ax=None, title: str | None = None,
-                 baseline: str = "baseline"):
+def plot_speedup(
+    labels: Sequence[str],
+    speedups: Sequence[float],
+    *,
+    ax=None,
+    title: str | None = None,
+    baseline: str = "baseline",
+):
     """Horizontal bars of speed-up over ``baseline`` (1.0 drawn as a line)."""
     ax = _axes(ax)
     bars = ax.barh(list(labels), list(speedups), color="tab:blue")
     ax.axvline(1.0, color="black", lw=1)
-    for bar, value in zip(bars, speedups):
-        ax.annotate(f"{value:.2f}×", (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=8,
-                    xytext=(3, 0), textcoords="offset points")
+    for bar, value in zip(bars, speedups, strict=True):
+        ax.annotate(
+            f"{value:.2f}×",
+            (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+            va="center",
+            fontsize=8,
+            xytext=(3, 0),
+            textcoords="offset points",
+        )
     ax.set_xlabel(f"speed-up over {baseline}")
     if title:
         ax.set_title(title)
@@ -471,7 +515,9 @@ def glue(name: str, value, display: bool = False) -> None:
         return
     if get_ipython() is None:
         return
-    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # numpy / torch scalar: store the plain number
+    if (
+        hasattr(value, "item") and getattr(value, "ndim", 1) == 0
+    ):  # numpy / torch scalar: store the plain number
         value = value.item()
     bundle, metadata = format_display_data(value)
     prefix = "" if display else "application/papermill.record/"

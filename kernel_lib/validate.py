@@ -30,11 +30,13 @@ class ErrorStats:
     n_bad: int  # elements that are NaN or infinite in out but finite in ref
 
     def __str__(self) -> str:
-        return f"max abs {self.max_abs:.3e}, rel l2 {self.rel_l2:.3e}" + (f", {self.n_bad} non-finite" if self.n_bad else "")
+        return f"max abs {self.max_abs:.3e}, rel l2 {self.rel_l2:.3e}" + (
+            f", {self.n_bad} non-finite" if self.n_bad else ""
+        )
 
 
 def error_stats(out: torch.Tensor, ref: torch.Tensor) -> ErrorStats:
-    """Error of ``out`` against ``ref`` in float64; non-finite values that the reference lacks count as bad."""
+    """Error of ``out`` against ``ref`` in float64; non-finite values the reference lacks count as bad."""
     if tuple(out.shape) != tuple(ref.shape):
         raise ValueError(f"shapes differ: out {tuple(out.shape)} against reference {tuple(ref.shape)}")
     out64 = out.detach().to(torch.float64).cpu()
@@ -78,7 +80,7 @@ def check(
     factor: float = 2.0,
     atol: float = 1e-6,
 ) -> Check:
-    """Apply the rule to one tensor: ``out`` against float64 ``ref``, allowed ``factor`` × ``baseline``'s error + ``atol``.
+    """Apply the rule: ``out`` vs float64 ``ref`` within ``factor`` × ``baseline``'s error + ``atol``.
 
     Without a ``baseline`` the allowance is ``atol`` alone (use it for exact results such as indices).
     """
@@ -112,7 +114,7 @@ def assert_close(
 
 
 def poisoned_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialised-looking output: same shape and device as ``x``, filled with NaN (or -1 for integers)."""
+    """An output that looks unwritten: shaped like ``x``, filled with NaN (-1 for integer dtypes)."""
     out = torch.empty_like(x, dtype=dtype or x.dtype)
     if out.is_floating_point() or out.is_complex():
         return out.fill_(float("nan"))
@@ -134,6 +136,8 @@ def random_inputs(*shapes, dtype=torch.float32, device="cpu", seed: int | None =
         generator.seed()
     else:
         generator.manual_seed(seed)
-    tensors = [torch.randn(*s, generator=generator, device=device, dtype=torch.float32).mul_(scale).to(dtype)
-               for s in shapes]
+    tensors = [
+        torch.randn(*s, generator=generator, device=device, dtype=torch.float32).mul_(scale).to(dtype)
+        for s in shapes
+    ]
     return tensors[0] if len(tensors) == 1 else tensors

@@ -80,11 +80,16 @@ def test_frames_and_plots():
     import matplotlib
 
     matplotlib.use("Agg")
-    frame = bench.to_frame([{"op": "a", "n": 2**k, "gbps": k} for k in range(4)] +
-                           [{"op": "b", "n": 2**k, "gbps": 2 * k} for k in range(4)])
+    frame = bench.to_frame(
+        [{"op": "a", "n": 2**k, "gbps": k} for k in range(4)]
+        + [{"op": "b", "n": 2**k, "gbps": 2 * k} for k in range(4)]
+    )
     ax = bench.plot_throughput(frame, "n", "gbps", "op", ceiling=10.0)
     assert len(ax.get_lines()) == 3  # two ops and the ceiling
-    points = [{"name": "add", "intensity": 0.08, "tflops": 0.3}, {"name": "mm", "intensity": 500, "tflops": 600}]
+    points = [
+        {"name": "add", "intensity": 0.08, "tflops": 0.3},
+        {"name": "mm", "intensity": 500, "tflops": 600},
+    ]
     ax = bench.plot_roofline(points, peak_tflops=700, peak_gbps=3000)
     assert ax.get_xscale() == "log" and len(ax.collections) == 2
     ax = bench.plot_speedup(["eager", "compiled"], [1.0, 2.5])

@@ -57,7 +57,7 @@ def test_rule_accepts_a_result_rounded_like_pytorch(dtype):
 def test_rule_rejects_a_wrong_element():
     a, b = random_inputs((64, 96), (96, 48), dtype=torch.float64)
     ref = a @ b
-    torch_lowp = (a.bfloat16() @ b.bfloat16())
+    torch_lowp = a.bfloat16() @ b.bfloat16()
     kernel = torch_lowp.clone()
     kernel[7, 11] += 1.0  # one wrong element among thousands
     result = check(kernel, ref, torch_lowp, name="out")

@@ -27,7 +27,11 @@ def warn_on_stored_errors(app, docname, source):
             if output.get("output_type") == "error":
                 logger.warning(
                     "code cell %d stores an error output (%s: %s); fix the cell or tag it raises-exception",
-                    index, output.get("ename"), output.get("evalue"), location=docname, type="stored_errors",
+                    index,
+                    output.get("ename"),
+                    output.get("evalue"),
+                    location=docname,
+                    type="stored_errors",
                 )
 
 
