@@ -189,3 +189,38 @@ def prune_by_shared_memory(smem_bytes: Callable[[object, dict], int]) -> Callabl
         return fitting or [min(configs, key=lambda c: smem_bytes(c, {**named_args, **kwargs}))]
 
     return prune
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int = 0) -> int:
+    """Number of streaming multiprocessors of a CUDA device."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, work_items: int, per_sm: int = 4) -> int:
+    """How many programs a persistent kernel (each looping over many rows) should launch.
+
+    A few per SM on a GPU, so every SM stays busy; a handful on the CPU, where the interpreter runs programs
+    one after another and fewer programs mean less interpreter overhead.
+    """
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = per_sm * sm_count(index)
+    else:
+        target = 4
+    return max(1, min(target, work_items))
+
+
+def row_block_settings(width: int, element_bytes: int, max_width: int = 65536) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_M, num_warps) for a kernel that holds whole rows of ``width`` elements in registers.
+
+    BLOCK_D is the next power of two of the width; narrow rows are packed BLOCK_M to a program so that each
+    program still moves about 16 KB; wider rows get more warps so each thread holds a bounded slice.
+    """
+    if width > max_width:
+        raise ValueError(f"last dim {width} is wider than this kernel supports ({max_width})")
+    block_d = 1 << max(0, (width - 1).bit_length())
+    block_m = max(1, min(64, 16384 // (block_d * element_bytes)))
+    elements = block_d * block_m
+    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16 if elements <= 32768 else 32
+    return block_d, block_m, num_warps

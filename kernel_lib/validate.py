@@ -2,7 +2,7 @@
 
 The rule every kernel in kernel_lib passes, forward and backward::
 
-    max|kernel - ref64|  <=  factor * max|torch_lowp - ref64|  +  atol        (factor = 2 by default)
+    max|kernel - ref64|  <=  factor * max|torch_lowp - ref64|  +  atol  +  rtol * max|ref64|     (factor = 2)
 
 ``ref64`` is the float64 reference on the same inputs; ``torch_lowp`` is what plain PyTorch computes in
 the kernel's own low precision (e.g. the ``*_ref`` run in bfloat16). A kernel may round differently from
@@ -79,15 +79,20 @@ def check(
     name: str = "out",
     factor: float = 2.0,
     atol: float = 1e-6,
+    rtol: float = 0.0,
 ) -> Check:
     """Apply the rule: ``out`` vs float64 ``ref`` within ``factor`` × ``baseline``'s error + ``atol``.
 
-    Without a ``baseline`` the allowance is ``atol`` alone (use it for exact results such as indices).
+    ``rtol`` scales with the reference's largest finite magnitude. Without a ``baseline`` the allowance is
+    ``atol + rtol * max|ref|`` alone (use it for exact results such as indices).
     """
     kernel = error_stats(out, ref)
     base = error_stats(baseline, ref) if baseline is not None else None
     base_err = base.max_abs if base is not None else 0.0
-    allowed = factor * base_err + atol
+    ref64 = ref.detach().to(torch.float64)
+    finite = ref64[torch.isfinite(ref64)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    allowed = factor * base_err + atol + rtol * scale
     ok = kernel.n_bad == 0 and kernel.max_abs <= allowed
     return Check(name=name, ok=ok, kernel=kernel, baseline=base, allowed=allowed, factor=factor, atol=atol)
 
@@ -105,9 +110,10 @@ def assert_close(
     name: str = "out",
     factor: float = 2.0,
     atol: float = 1e-6,
+    rtol: float = 0.0,
 ) -> Check:
     """:func:`check`, raising AssertionError with the readable report when the rule fails."""
-    result = check(out, ref, baseline, name=name, factor=factor, atol=atol)
+    result = check(out, ref, baseline, name=name, factor=factor, atol=atol, rtol=rtol)
     if not result.ok:
         raise AssertionError(str(result))
     return result

@@ -80,6 +80,14 @@ def test_rule_without_baseline_is_atol_alone():
     assert not check(torch.tensor([0.0, 1e-5, 0.0]), ref, atol=1e-6).ok
 
 
+def test_rtol_scales_with_the_reference():
+    ref = torch.tensor([100.0, -200.0], dtype=torch.float64)
+    out = torch.tensor([100.1, -200.0])
+    assert not check(out, ref, atol=0.0).ok
+    assert check(out, ref, atol=0.0, rtol=1e-3).ok  # allowed 0.2
+    assert not check(out, ref, atol=0.0, rtol=1e-4).ok  # allowed 0.02
+
+
 def test_report_lists_each_check():
     ref = torch.ones(2, dtype=torch.float64)
     lines = report([check(torch.ones(2), ref, name="y"), check(torch.zeros(2), ref, name="dx")]).splitlines()
