@@ -5,7 +5,52 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kernel_lib._utils import is_interpreting
 from kernel_lib.validate import assert_close, check, report
+
+
+BF16_ROUNDS_TO_NEAREST = True  # set by round_bf16_to_nearest_in_interpreter() when the patch cannot apply
+
+
+def round_bf16_to_nearest_in_interpreter() -> bool:
+    """Make Triton's interpreter round float32 -> bfloat16 to nearest even, as the GPU does.
+
+    The interpreter (seen with triton 3.7.1) converts float32 to bfloat16 by truncating the mantissa: a bf16
+    store then errs by up to one ulp instead of half, and y = 0.9999 is stored as 0.996 rather than 1.0. That
+    is the simulator's doing, not the kernel's, and it would fail the factor-of-2 rule on correct kernels.
+    The kernels are unchanged; only the interpreter's cast is replaced by torch's correctly rounded one. If
+    this triton's interpreter is laid out differently, nothing is patched and bf16 checks on the CPU get a
+    factor of 4 instead (see allowed_factor).
+    """
+    global BF16_ROUNDS_TO_NEAREST
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        builder = interpreter.InterpreterBuilder
+        original = builder.cast_impl
+        handle = interpreter.TensorHandle
+    except (ImportError, AttributeError):
+        BF16_ROUNDS_TO_NEAREST = False
+        return False
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return handle(bits, dst_type.scalar)
+        return original(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+    return True
+
+
+def allowed_factor(inputs: Sequence) -> float:
+    """The rule's factor: 2; 4 for bfloat16 on an interpreter whose truncating cast could not be patched."""
+    has_bf16 = any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in inputs)
+    on_cpu = any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in inputs)
+    return 4.0 if has_bf16 and on_cpu and is_interpreting() and not BF16_ROUNDS_TO_NEAREST else 2.0
 
 
 def _like(value, dtype=None, requires_grad=False):
@@ -24,12 +69,14 @@ def check_forward_backward(
     rtol: float = 0.0,
     grads: Sequence[int] | None = None,
     name: str = "out",
+    baseline: Callable | None = None,
 ) -> str:
     """Run ``kernel`` and ``reference`` on ``inputs`` (low precision) and ``reference`` in float64; compare the
     output and the gradients of the inputs at positions ``grads`` (default: every floating tensor).
 
-    Inputs keep their layout (strides) for the kernel; the float64 reference gets dense copies. Returns the
-    report; raises AssertionError naming the first quantity that breaks the rule.
+    ``baseline`` is PyTorch's own computation in the inputs' precision, whose error sets the allowance (default:
+    ``reference`` run on the low-precision inputs). Inputs keep their layout (strides) for the kernel; the
+    float64 reference gets dense copies. Returns the report; raises AssertionError listing every comparison.
     """
     if grads is None:
         grads = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -39,10 +86,11 @@ def check_forward_backward(
     ref_in = [_like(t, torch.float64, requires_grad=i in grads) for i, t in enumerate(inputs)]
 
     out = kernel(*lowp)
-    base = reference(*base_in)
+    base = (baseline or reference)(*base_in)
     ref = reference(*ref_in)
     assert out.dtype == base.dtype, f"{name}: kernel returned {out.dtype}, PyTorch {base.dtype}"
-    checks = [check(out, ref, base, name=name, atol=atol, rtol=rtol)]
+    factor = allowed_factor(inputs)
+    checks = [check(out, ref, base, name=name, atol=atol, rtol=rtol, factor=factor)]
     if grads:
         upstream = torch.randn(out.shape, dtype=torch.float64, device=out.device)
         wrt = [lowp[i] for i in grads]
@@ -51,7 +99,7 @@ def check_forward_backward(
         have = torch.autograd.grad(base, [base_in[i] for i in grads], upstream.to(base.dtype))
         for i, g, w, h in zip(grads, got, want, have, strict=True):
             assert g.dtype == lowp[i].dtype, f"d(input {i}) came back as {g.dtype}, not {lowp[i].dtype}"
-            checks.append(check(g, w, h, name=f"d(input {i})", atol=atol, rtol=rtol))
+            checks.append(check(g, w, h, name=f"d(input {i})", atol=atol, rtol=rtol, factor=factor))
     text = report(checks)
     for c in checks:
         if not c.ok:

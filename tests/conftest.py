@@ -9,6 +9,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests._checks import round_bf16_to_nearest_in_interpreter
+
+    round_bf16_to_nearest_in_interpreter()
+
 HAS_CUDA = torch.cuda.is_available()
 
 

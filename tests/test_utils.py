@@ -177,3 +177,20 @@ def test_a_triton_kernel_runs_through_the_helpers(device, n):
     _scaled_add_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, out, 0.5, n)
     assert_all_written(out)
     torch.testing.assert_close(out, x + 0.5 * y)
+
+
+@triton.jit
+def _store_as_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_stores_round_to_nearest(device, dtype):
+    # On a GPU this is the hardware's conversion; under the interpreter, tests/conftest.py patches its
+    # truncating float32 -> bfloat16 cast so CPU tests see the GPU's rounding.
+    x = torch.randn(1000, device=device)
+    out = torch.empty(1000, device=device, dtype=dtype)
+    _store_as_kernel[(1,)](x, out, 1000, BLOCK=1024)
+    assert torch.equal(out, x.to(dtype))

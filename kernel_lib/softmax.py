@@ -1,0 +1,207 @@
+"""Softmax over the last dim in Triton, forward and backward, one read and one write per element when rows fit.
+
+    y = exp(x - max(x)) / sum(exp(x - max(x)))                                x: (..., D)
+    dx = y * (dy - sum(dy * y))                                              (sums over the last dim)
+
+Rows up to ``MAX_FUSED`` elements are held whole in registers: the kernel reads x once and writes y once,
+the fewest bytes possible (eager PyTorch makes several passes; see notebook 04a). Wider rows (a 128k-entry
+vocabulary, say) stream through in chunks with the *online* softmax: one pass keeps a running maximum ``m`` and
+a running sum rescaled by ``exp(m_old - m_new)`` whenever the maximum grows, a second pass writes the result.
+Entries of ``-inf`` get exactly 0; a row that is all ``-inf`` gives NaN, as in PyTorch. Backward saves y, not x.
+Arithmetic is in float32; y is rounded once to x's dtype.
+
+Registered as ``kernel_lib::softmax_fwd`` / ``kernel_lib::softmax_bwd`` custom ops with fake implementations
+and autograd, so ``torch.compile(fullgraph=True)`` traces through it. Sources: Milakov & Gimelshein, "Online
+normalizer calculation for softmax" (2018); Triton's fused-softmax tutorial.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import as_rows, check_tensor, row_block_settings, use_triton
+
+__all__ = ["softmax", "softmax_ref", "MAX_FUSED"]
+
+MAX_FUSED = 32768  # widest row held whole in registers; wider rows use the two-pass online kernel
+CHUNK = 4096  # elements per step of the online kernel
+
+
+def softmax_ref(x: torch.Tensor) -> torch.Tensor:
+    """The definition, in plain PyTorch: computed in float32 (float64 for float64 input), returned in x's dtype."""
+    return torch.softmax(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _softmax_fwd_kernel(
+    x_ptr,  # input, (n_rows, D) with unit stride along D
+    y_ptr,  # output, (n_rows, D) contiguous, x's dtype
+    x_row_stride,  # elements between the starts of consecutive rows of x
+    n_rows,  # number of rows
+    D,  # row width
+    BLOCK_D: tl.constexpr,  # whole row (power of two >= D) when ONE_PASS, else the chunk width
+    BLOCK_M: tl.constexpr,  # rows per program (ONE_PASS only; 1 otherwise)
+    ONE_PASS: tl.constexpr,  # the row fits in registers
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2**31 elements
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_D)
+    x_rows = x_ptr + rows64[:, None] * x_row_stride
+    y_rows = y_ptr + rows64[:, None] * D
+    if ONE_PASS:
+        mask = row_mask[:, None] & (cols[None, :] < D)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        y = e / tl.sum(e, axis=1)[:, None]
+        tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        m = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)  # running maximum
+        s = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp(x - m)
+        for start in range(0, D, BLOCK_D):
+            mask = row_mask[:, None] & (start + cols[None, :] < D)
+            x = tl.load(x_rows + start + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            # exp(-inf - -inf) is NaN: while a row has seen only -inf, keep its sum at 0.
+            rescale = tl.where(m_new == -float("inf"), 0.0, tl.exp(m - m_new))
+            shifted = tl.where(m_new[:, None] == -float("inf"), -float("inf"), x - m_new[:, None])
+            s = s * rescale + tl.sum(tl.exp(shifted), axis=1)
+            m = m_new
+        for start in range(0, D, BLOCK_D):
+            mask = row_mask[:, None] & (start + cols[None, :] < D)
+            x = tl.load(x_rows + start + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
+            y = tl.exp(x - m[:, None]) / s[:, None]
+            tl.store(y_rows + start + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_kernel(
+    dy_ptr,  # upstream gradient, (n_rows, D) with unit stride along D
+    y_ptr,  # forward output, (n_rows, D) contiguous
+    dx_ptr,  # output, (n_rows, D) contiguous
+    dy_row_stride,  # elements between rows of dy
+    n_rows,  # number of rows
+    D,  # row width
+    BLOCK_D: tl.constexpr,  # whole row when ONE_PASS, else the chunk width
+    BLOCK_M: tl.constexpr,  # rows per program (ONE_PASS only; 1 otherwise)
+    ONE_PASS: tl.constexpr,  # the row fits in registers
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_D)
+    dy_rows = dy_ptr + rows64[:, None] * dy_row_stride
+    y_rows = y_ptr + rows64[:, None] * D
+    dx_rows = dx_ptr + rows64[:, None] * D
+    if ONE_PASS:
+        mask = row_mask[:, None] & (cols[None, :] < D)
+        dy = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
+        tl.store(dx_rows + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    else:
+        dot = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, D, BLOCK_D):
+            mask = row_mask[:, None] & (start + cols[None, :] < D)
+            dy = tl.load(dy_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dot += tl.sum(dy * y, axis=1)
+        for start in range(0, D, BLOCK_D):
+            mask = row_mask[:, None] & (start + cols[None, :] < D)
+            dy = tl.load(dy_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_rows + start + cols[None, :], (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+def _settings(D: int, element_bytes: int) -> tuple[int, int, int, bool]:
+    if D <= MAX_FUSED:
+        block_d, block_m, num_warps = row_block_settings(D, element_bytes)
+        return block_d, block_m, num_warps, True
+    return CHUNK, 1, 8, False
+
+
+def _forward(x: torch.Tensor) -> torch.Tensor:
+    rows = as_rows(x)  # (n_rows, D)
+    n_rows, D = rows.shape
+    y = torch.empty((n_rows, D), device=x.device, dtype=x.dtype)
+    if n_rows == 0 or D == 0:
+        return y.view(x.shape)
+    if not use_triton(x, op="softmax"):
+        return softmax_ref(x).contiguous()
+    block_d, block_m, num_warps, one_pass = _settings(D, x.element_size())
+    grid = (triton.cdiv(n_rows, block_m),)
+    _softmax_fwd_kernel[grid](
+        rows, y, rows.stride(0), n_rows, D, BLOCK_D=block_d, BLOCK_M=block_m, ONE_PASS=one_pass, num_warps=num_warps
+    )
+    return y.view(x.shape)
+
+
+def _backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    dy_rows, y_rows = as_rows(dy), as_rows(y)  # (n_rows, D) each; y is contiguous
+    n_rows, D = y_rows.shape
+    dx = torch.empty((n_rows, D), device=y.device, dtype=y.dtype)
+    if n_rows == 0 or D == 0:
+        return dx.view(y.shape)
+    if not use_triton(y, op="softmax"):
+        yf, dyf = y_rows.float(), dy_rows.float()
+        return dx.copy_(yf * (dyf - (dyf * yf).sum(-1, keepdim=True))).view(y.shape)
+    block_d, block_m, num_warps, one_pass = _settings(D, y.element_size())
+    grid = (triton.cdiv(n_rows, block_m),)
+    _softmax_bwd_kernel[grid](
+        dy_rows, y_rows, dx, dy_rows.stride(0), n_rows, D,
+        BLOCK_D=block_d, BLOCK_M=block_m, ONE_PASS=one_pass, num_warps=num_warps,
+    )  # fmt: skip
+    return dx.view(y.shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.library registration and autograd
+# --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kernel_lib::softmax_fwd", mutates_args=())
+def _softmax_fwd_op(x: torch.Tensor) -> torch.Tensor:
+    return _forward(x)
+
+
+@_softmax_fwd_op.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("kernel_lib::softmax_bwd", mutates_args=())
+def _softmax_bwd_op(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _backward(dy, y)
+
+
+@_softmax_bwd_op.register_fake
+def _(dy, y):
+    return y.new_empty(y.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _backward_rule(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return _softmax_bwd_op(dy, y)
+
+
+_softmax_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Functional API
+# --------------------------------------------------------------------------------------------------
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of ``x`` (any strides; float32, float16 or bfloat16), in x's dtype.
+
+    Equal to ``torch.softmax(x.float(), -1).to(x.dtype)`` up to float32 rounding; differentiable.
+    """
+    check_tensor(x, "x", min_ndim=1)
+    return _softmax_fwd_op(x)
