@@ -20,9 +20,7 @@ from kernel_lib import bench  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results", help="folder for the CSV")
-    parser.add_argument(
-        "--matmul-n", type=int, default=None, help="square matmul size (default 8192 on a GPU)"
-    )
+    parser.add_argument("--matmul-n", type=int, default=None, help="square matmul size (default 8192 on a GPU)")
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

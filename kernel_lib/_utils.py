@@ -85,9 +85,7 @@ def check_tensor(
     if ndim is not None:
         allowed_ndim = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if x.dim() not in allowed_ndim:
-            raise ValueError(
-                f"{name} must have {' or '.join(map(str, allowed_ndim))} dims, got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"{name} must have {' or '.join(map(str, allowed_ndim))} dims, got shape {tuple(x.shape)}")
     if min_ndim is not None and x.dim() < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(x.shape)}")
     return x
@@ -191,7 +189,7 @@ def prune_by_shared_memory(smem_bytes: Callable[[object, dict], int]) -> Callabl
     return prune
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device_index: int = 0) -> int:
     """Number of streaming multiprocessors of a CUDA device."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count

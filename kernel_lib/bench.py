@@ -112,9 +112,7 @@ def _do_bench_samples(fn: Callable[[], object], warmup_ms: float, rep_ms: float)
     return [float(s) for s in samples]
 
 
-def _cpu_samples(
-    fn: Callable[[], object], warmup_ms: float, rep_ms: float, max_reps: int = 1000
-) -> list[float]:
+def _cpu_samples(fn: Callable[[], object], warmup_ms: float, rep_ms: float, max_reps: int = 1000) -> list[float]:
     """Host-clock times of ``fn`` on the CPU: warm up for ``warmup_ms``, then time single calls."""
     deadline = time.perf_counter() + warmup_ms / 1e3
     fn()
@@ -142,9 +140,7 @@ def time_fn(
     ``device`` says where ``fn`` runs; by default CUDA when available, else CPU. On CUDA the L2 cache is
     wiped before each call unless ``flush_l2=False``. On the CPU the timer is ``time.perf_counter``.
     """
-    device_type = (
-        torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":
         if flush_l2:
             return _timing_from_samples(_do_bench_samples(fn, warmup_ms, rep_ms), "cuda-events", True)
@@ -164,9 +160,7 @@ def repeat_in_graph(
     time one by one. ``fn`` must not synchronize or allocate differently between calls. On the CPU the
     callable is a plain loop.
     """
-    device_type = (
-        torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if device_type != "cuda":
@@ -213,9 +207,7 @@ def _triton_version() -> str:
 
 def device_name(device: str | torch.device | None = None) -> str:
     """'NVIDIA H100 80GB HBM3' for a GPU, the processor's name for the CPU."""
-    device_type = (
-        torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":
         return torch.cuda.get_device_name(torch.device(device) if device is not None else None)
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
@@ -286,9 +278,7 @@ def matmul_tflops(
         want = a[rows].double() @ b.double()
         rel = ((got - want).norm() / want.norm()).item()
         if not rel < 5e-2:
-            raise RuntimeError(
-                f"matmul_tflops: product off by {rel:.2e} relative; refusing to report its speed"
-            )
+            raise RuntimeError(f"matmul_tflops: product off by {rel:.2e} relative; refusing to report its speed")
     finally:
         torch.set_float32_matmul_precision(previous)
     return tflops(2 * n**3, timing.median_ms)
@@ -304,9 +294,7 @@ class Ceilings:
 
     def rows(self) -> list[dict]:
         out = [{"ceiling": "copy (read + write)", "value": self.copy_gbps, "unit": "GB/s"}]
-        out += [
-            {"ceiling": f"matmul {k}", "value": v, "unit": "TFLOP/s"} for k, v in self.matmul_tflops.items()
-        ]
+        out += [{"ceiling": f"matmul {k}", "value": v, "unit": "TFLOP/s"} for k, v in self.matmul_tflops.items()]
         return out
 
 
@@ -329,9 +317,7 @@ def measure_ceilings(
 # --------------------------------------------------------------------------------------------------
 # Results: rows, DataFrames, CSV
 # --------------------------------------------------------------------------------------------------
-def result_row(
-    name: str, timing: Timing, *, nbytes: float | None = None, flops: float | None = None, **fields
-) -> dict:
+def result_row(name: str, timing: Timing, *, nbytes: float | None = None, flops: float | None = None, **fields) -> dict:
     """One benchmark row: name, median and quantiles, GB/s and TFLOP/s where counted, and any extra fields."""
     row = {
         "name": name,
@@ -373,9 +359,7 @@ def to_frame(rows: Sequence[dict]):
 
 def timing_frame(timings: dict[str, Timing]):
     """A DataFrame of several Timings, one row each, in milliseconds."""
-    rows = [
-        {"name": k, **{f: v for f, v in asdict(t).items() if f != "samples_ms"}} for k, t in timings.items()
-    ]
+    rows = [{"name": k, **{f: v for f, v in asdict(t).items() if f != "samples_ms"}} for k, t in timings.items()]
     return to_frame(rows)
 
 
@@ -515,9 +499,7 @@ def glue(name: str, value, display: bool = False) -> None:
         return
     if get_ipython() is None:
         return
-    if (
-        hasattr(value, "item") and getattr(value, "ndim", 1) == 0
-    ):  # numpy / torch scalar: store the plain number
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # numpy / torch scalar: store the plain number
         value = value.item()
     bundle, metadata = format_display_data(value)
     prefix = "" if display else "application/papermill.record/"

@@ -113,7 +113,11 @@ def _softmax_bwd_kernel(
             mask = row_mask[:, None] & (start + cols[None, :] < D)
             dy = tl.load(dy_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             y = tl.load(y_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(dx_rows + start + cols[None, :], (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(
+                dx_rows + start + cols[None, :],
+                (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty),
+                mask=mask,
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -137,7 +141,15 @@ def _forward(x: torch.Tensor) -> torch.Tensor:
     block_d, block_m, num_warps, one_pass = _settings(D, x.element_size())
     grid = (triton.cdiv(n_rows, block_m),)
     _softmax_fwd_kernel[grid](
-        rows, y, rows.stride(0), n_rows, D, BLOCK_D=block_d, BLOCK_M=block_m, ONE_PASS=one_pass, num_warps=num_warps
+        rows,
+        y,
+        rows.stride(0),
+        n_rows,
+        D,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        ONE_PASS=one_pass,
+        num_warps=num_warps,
     )
     return y.view(x.shape)
 

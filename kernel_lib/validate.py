@@ -143,7 +143,6 @@ def random_inputs(*shapes, dtype=torch.float32, device="cpu", seed: int | None =
     else:
         generator.manual_seed(seed)
     tensors = [
-        torch.randn(*s, generator=generator, device=device, dtype=torch.float32).mul_(scale).to(dtype)
-        for s in shapes
+        torch.randn(*s, generator=generator, device=device, dtype=torch.float32).mul_(scale).to(dtype) for s in shapes
     ]
     return tensors[0] if len(tensors) == 1 else tensors

@@ -8,7 +8,6 @@ import torch
 from kernel_lib._utils import is_interpreting
 from kernel_lib.validate import assert_close, check, report
 
-
 BF16_ROUNDS_TO_NEAREST = True  # set by round_bf16_to_nearest_in_interpreter() when the patch cannot apply
 
 

@@ -145,9 +145,7 @@ def test_shared_memory_limit_on_this_gpu():
 
 # ------------------------------------------------------------- a real kernel built with these helpers
 @triton.autotune(
-    configs=configs_for_autotune(
-        [triton.Config({"BLOCK": 128}, num_warps=4), triton.Config({"BLOCK": 1024})]
-    ),
+    configs=configs_for_autotune([triton.Config({"BLOCK": 128}, num_warps=4), triton.Config({"BLOCK": 1024})]),
     key=["n"],
     prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c, a: c.kwargs["BLOCK"] * 8)},
 )
