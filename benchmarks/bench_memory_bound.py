@@ -125,7 +125,8 @@ def main() -> int:
                     )
                     rows_out.append(row)
             mine = [r for r in rows_out if r["name"] == op and r["D"] == D and r["impl"] == "kernel_lib"]
-            print(f"D={D} {op}: kernel_lib " + ", ".join(f"{r['pass']} {r['gbps']:,.0f} GB/s" for r in mine), flush=True)
+            summary = ", ".join(f"{r['pass']} {r['gbps']:,.0f} GB/s" for r in mine)
+            print(f"D={D} {op}: kernel_lib {summary}", flush=True)
             del inputs
             torch.cuda.empty_cache()
 
