@@ -61,6 +61,18 @@ def test_transposed_and_large_magnitude(device, dtype, atol, rtol):
     check_forward_backward(swiglu, swiglu_ref, [gate, up], atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("kernel, reference", OPS)
+def test_cpu_without_interpreter_falls_back_to_the_reference(monkeypatch, kernel, reference):
+    from kernel_lib import _utils
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_utils, "_warned", set())
+    gate, up = torch.randn(5, 33), torch.randn(5, 33)
+    with pytest.warns(UserWarning, match="reference runs instead"):
+        kernel(gate, up)
+    check_forward_backward(kernel, reference, [gate, up], atol=1e-6, rtol=1e-5)
+
+
 def test_compiles_without_graph_break(device):
     gate = torch.randn(4, 64, device=device, requires_grad=True)
     up = torch.randn(4, 64, device=device, requires_grad=True)
