@@ -73,6 +73,7 @@ def main() -> int:
     parser.add_argument("--out", default="results")
     parser.add_argument("--widths", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--elements", type=int, default=2**27, help="rows * D for every width")
+    parser.add_argument("--ops", default="rms_norm,softmax,swiglu", help="comma-separated subset")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_memory_bound needs a CUDA GPU")
@@ -91,7 +92,8 @@ def main() -> int:
     widths = [int(w) for w in args.widths.split(",")]
     for D in tqdm(widths, desc="widths"):
         rows = args.elements // D
-        for op, (make, impls, ref64, moved_fwd, moved_fwdbwd) in make_cases(rows, D, dtype).items():
+        cases = {k: v for k, v in make_cases(rows, D, dtype).items() if k in args.ops.split(",")}
+        for op, (make, impls, ref64, moved_fwd, moved_fwdbwd) in cases.items():
             inputs = make()
             nbytes = rows * D * inputs[0].element_size()
             want = ref64(*inputs)
