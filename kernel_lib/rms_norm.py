@@ -30,7 +30,6 @@ from ._utils import (
     check_same_device,
     check_shape,
     check_tensor,
-    configs_for_autotune,
     persistent_programs,
     row_block_settings,
     use_triton,
@@ -81,12 +80,6 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
-# Backward configs: rows per loop step and warps. More rows per step keep more loads in flight (the loop is
-# latency-bound with one row), at the cost of registers; autotuned per width on a GPU, the first when interpreted.
-_BWD_CONFIGS = [triton.Config({"ROWS_PER_STEP": rows}, num_warps=warps) for rows in (1, 2, 4) for warps in (8, 16)]
-
-
-@triton.autotune(configs=configs_for_autotune(_BWD_CONFIGS), key=["D", "HAS_WEIGHT"])
 @triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr,  # upstream gradient, (n_rows, D) with unit stride along D
@@ -102,31 +95,28 @@ def _rms_norm_bwd_kernel(
     rows_per_program,  # each program handles rows pid * rows_per_program + [0, rows_per_program)
     HAS_WEIGHT: tl.constexpr,  # weight present: scale dy by it and accumulate dweight
     BLOCK_D: tl.constexpr,  # power of two >= D
-    ROWS_PER_STEP: tl.constexpr,  # rows loaded together in one loop step
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < D
+    mask = cols < D
     if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program  # int64: row * stride overflows int32 past 2**31 elements
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    for step in range(0, rows_per_program, ROWS_PER_STEP):
-        rows = row_start + step + tl.arange(0, ROWS_PER_STEP)
-        row_ok = rows < row_end  # the last step, and the last program's share, may run past the end
-        mask = row_ok[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        xhat = x * rstd[:, None]  # (ROWS_PER_STEP, BLOCK_D)
-        g = dy * w[None, :] if HAS_WEIGHT else dy
-        dx = (g - xhat * (tl.sum(g * xhat, axis=1) / D)[:, None]) * rstd[:, None]
-        tl.store(dx_ptr + rows[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    for i in range(0, rows_per_program):
+        row = row_start + i
+        row_mask = mask & (row < n_rows)  # the last program's share may run past the end
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=row_mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=row_mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+        xhat = x * rstd
+        g = dy * w if HAS_WEIGHT else dy
+        dx = (g - xhat * (tl.sum(g * xhat, axis=0) / D)) * rstd
+        tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
         if HAS_WEIGHT:
-            dw_acc += tl.sum(dy * xhat, axis=0)
+            dw_acc += dy * xhat
     if HAS_WEIGHT:
-        tl.store(dw_partial_ptr + pid * D + cols, dw_acc, mask=col_mask)
+        tl.store(dw_partial_ptr + pid * D + cols, dw_acc, mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,7 +159,7 @@ def _backward(
         dx.copy_((g - xhat * (g * xhat).mean(dim=-1, keepdim=True)) * rstd[:, None])
         dw = (dy_rows.float() * xhat).sum(0).to(weight.dtype) if weight is not None else no_dw
         return dx.view(x.shape), dw
-    block_d, _, _ = row_block_settings(D, x.element_size())
+    block_d, _, num_warps = row_block_settings(D, x.element_size())
     programs = persistent_programs(x.device, n_rows)
     rows_per_program = triton.cdiv(n_rows, programs)
     programs = triton.cdiv(n_rows, rows_per_program)
@@ -177,7 +167,7 @@ def _backward(
     _rms_norm_bwd_kernel[(programs,)](
         dy_rows, rows, weight if weight is not None else rows, rstd, dx, dw_partial,
         dy_rows.stride(0), rows.stride(0), n_rows, D, rows_per_program,
-        HAS_WEIGHT=weight is not None, BLOCK_D=block_d,
+        HAS_WEIGHT=weight is not None, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else no_dw
     return dx.view(x.shape), dw
