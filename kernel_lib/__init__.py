@@ -11,7 +11,23 @@ Kernels are exported here as they land.
 """
 
 from . import bench, validate
+from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
+from .softmax import softmax, softmax_ref
+from .swiglu import geglu, geglu_ref, swiglu, swiglu_ref
 
 __version__ = "0.1.0"
 
-__all__ = ["bench", "validate", "__version__"]
+__all__ = [
+    "bench",
+    "validate",
+    "rms_norm",
+    "rms_norm_ref",
+    "RMSNorm",
+    "softmax",
+    "softmax_ref",
+    "swiglu",
+    "swiglu_ref",
+    "geglu",
+    "geglu_ref",
+    "__version__",
+]
