@@ -11,6 +11,7 @@ Kernels are exported here as they land.
 """
 
 from . import bench, validate
+from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
 from .softmax import softmax, softmax_ref
 from .swiglu import geglu, geglu_ref, swiglu, swiglu_ref
@@ -23,6 +24,9 @@ __all__ = [
     "rms_norm",
     "rms_norm_ref",
     "RMSNorm",
+    "layer_norm",
+    "layer_norm_ref",
+    "LayerNorm",
     "softmax",
     "softmax_ref",
     "swiglu",

@@ -1,0 +1,122 @@
+"""kernel_lib.layer_norm against float64, forward and all three gradients, plus compile, op checks and bad input."""
+
+import pytest
+import torch
+
+from kernel_lib.layer_norm import LayerNorm, layer_norm, layer_norm_ref
+from tests._checks import check_forward_backward
+
+DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
+    pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
+    pytest.param(torch.float16, 1e-3, 0.0, id="fp16"),
+    pytest.param(torch.bfloat16, 1e-2, 0.0, id="bf16"),
+]
+
+SHAPES = [
+    (2, 1),  # one column: x - mean is exactly 0, y is the bias
+    (3, 999),  # width not a power of two
+    (2, 5, 128),  # batched (B, N, D)
+    (7, 4096),  # a model-sized row
+    (4, 5121),  # wide and odd: masked tail of an 8192 block
+    (257, 64),  # narrow rows packed several to a program; 257 not a multiple of the pack
+]
+
+
+def _inputs(shape, dtype, device, layout="contiguous", affine=True):
+    D = shape[-1]
+    if layout == "transposed":  # last dim strided: the launcher must copy
+        x = torch.randn(D, *shape[:-1], device=device).to(dtype).movedim(0, -1)
+    elif layout == "sliced":  # rows with a stride larger than their width: no copy needed
+        x = torch.randn(*shape[:-1], D + 3, device=device).to(dtype)[..., :D]
+    else:
+        x = (2 + torch.randn(shape, device=device)).to(dtype)  # a non-zero mean, as real activations have
+    w = (1 + 0.5 * torch.randn(D, device=device)).to(dtype) if affine else None
+    b = (0.5 * torch.randn(D, device=device)).to(dtype) if affine else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_backward(device, shape, dtype, atol, rtol):
+    x, w, b = _inputs(shape, dtype, device)
+    check_forward_backward(layer_norm, layer_norm_ref, [x, w, b, 1e-5], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_non_contiguous(device, layout, dtype, atol, rtol):
+    x, w, b = _inputs((6, 300), dtype, device, layout=layout)
+    assert not x.is_contiguous()
+    check_forward_backward(layer_norm, layer_norm_ref, [x, w, b, 1e-5], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("affine", ["none", "weight only", "bias only"])
+def test_partial_affine(device, dtype, atol, rtol, affine):
+    x, w, b = _inputs((9, 200), dtype, device)
+    w = w if affine == "weight only" else None
+    b = b if affine == "bias only" else None
+    check_forward_backward(layer_norm, layer_norm_ref, [x, w, b, 1e-5], atol=atol, rtol=rtol)
+
+
+def test_module_matches_torch_nn_layernorm(device):
+    ours = LayerNorm(96, eps=1e-5, device=device)
+    theirs = torch.nn.LayerNorm(96, eps=1e-5, device=device)
+    with torch.no_grad():
+        ours.weight.normal_()
+        ours.bias.normal_()
+        theirs.weight.copy_(ours.weight)
+        theirs.bias.copy_(ours.bias)
+    x = torch.randn(3, 7, 96, device=device)
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+    assert LayerNorm(8, bias=False).bias is None and "bias=False" in repr(LayerNorm(8, bias=False))
+
+
+def test_compiles_without_graph_break(device):
+    x = torch.randn(4, 32, device=device, requires_grad=True)
+    w = torch.randn(32, device=device, requires_grad=True)
+    b = torch.randn(32, device=device, requires_grad=True)
+    compiled = torch.compile(lambda x, w, b: layer_norm(x, w, b) * 2 + 1, fullgraph=True)
+    y = compiled(x, w, b)
+    y.sum().backward()
+    torch.testing.assert_close(y, layer_norm_ref(x, w, b) * 2 + 1, atol=1e-5, rtol=1e-5)
+    assert x.grad is not None and w.grad is not None and b.grad is not None
+
+
+def test_opcheck(device):
+    x, w, b = torch.randn(3, 40, device=device), torch.randn(40, device=device), torch.randn(40, device=device)
+    torch.library.opcheck(torch.ops.kernel_lib.layer_norm_fwd.default, (x, w, b, 1e-5))
+    torch.library.opcheck(torch.ops.kernel_lib.layer_norm_fwd.default, (x, None, None, 1e-5))
+
+
+def test_cpu_without_interpreter_falls_back_to_the_reference(monkeypatch):
+    from kernel_lib import _utils
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_utils, "_warned", set())
+    x, w, b = _inputs((5, 33), torch.float32, "cpu")
+    with pytest.warns(UserWarning, match="reference runs instead"):
+        layer_norm(x, w, b)
+    check_forward_backward(layer_norm, layer_norm_ref, [x, w, b, 1e-5], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x, w, b, error, words",
+    [
+        (torch.ones(2, 4, dtype=torch.int32), None, None, TypeError, "x must have dtype"),
+        (torch.ones(2, 4), torch.ones(5), None, ValueError, r"weight must have shape \(4,\)"),
+        (torch.ones(2, 4), None, torch.ones(3), ValueError, r"bias must have shape \(4,\)"),
+        (torch.ones(2, 4), torch.ones(4), torch.ones(4, device="meta"), ValueError, "bias on meta"),
+        (torch.ones(2, 4), torch.ones(4), torch.ones(4).half(), TypeError, "weight is float32, bias is float16"),
+    ],
+)
+def test_bad_input_is_named(x, w, b, error, words):
+    with pytest.raises(error, match=words):
+        layer_norm(x, w, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 16384), (3, 65536)])  # large, wide, widest supported
+def test_large_on_gpu(shape):
+    x, w, b = _inputs(shape, torch.bfloat16, "cuda")
+    check_forward_backward(layer_norm, layer_norm_ref, [x, w, b, 1e-5], atol=1e-2)
