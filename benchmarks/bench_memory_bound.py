@@ -1,6 +1,6 @@
 """Memory-bound kernels of kernel_lib against PyTorch eager, the PyTorch built-in and torch.compile.
 
-For each op (RMSNorm, softmax, SwiGLU), bf16, rows x D with rows * D = 2**27 (the 32768 x 4096 of the course
+For each op (RMSNorm, LayerNorm, softmax, SwiGLU), bf16, rows x D with rows * D = 2**27 (the 32768 x 4096 of the course
 at D = 4096), forward and forward + backward: checks every implementation against float64 first, then times
 it with L2 wiped between calls (kernel_lib.bench.time_fn). GB/s counts the fewest bytes each pass must move
 (inputs read once, outputs written once); the copy ceiling is measured in the same run. Writes
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernel_lib import bench, validate  # noqa: E402
+from kernel_lib.layer_norm import layer_norm, layer_norm_ref  # noqa: E402
 from kernel_lib.rms_norm import rms_norm, rms_norm_ref  # noqa: E402
 from kernel_lib.softmax import softmax, softmax_ref  # noqa: E402
 from kernel_lib.swiglu import swiglu, swiglu_ref  # noqa: E402
@@ -25,6 +26,7 @@ from kernel_lib.swiglu import swiglu, swiglu_ref  # noqa: E402
 def make_cases(rows: int, D: int, dtype):
     """op -> (inputs maker, {impl: fn}, tensors moved forward, tensors moved forward + backward)."""
     weight = 1 + 0.1 * torch.randn(D, device="cuda", dtype=dtype)
+    bias = 0.1 * torch.randn(D, device="cuda", dtype=dtype)
     return {
         "rms_norm": (
             lambda: [torch.randn(rows, D, device="cuda", dtype=dtype)],
@@ -35,6 +37,18 @@ def make_cases(rows: int, D: int, dtype):
                 "compiled reference": torch.compile(lambda x: rms_norm_ref(x, weight), dynamic=False),
             },
             lambda x: rms_norm_ref(x.double(), weight.double()),
+            2,
+            5,
+        ),
+        "layer_norm": (
+            lambda: [1 + torch.randn(rows, D, device="cuda", dtype=dtype)],
+            {
+                "kernel_lib": lambda x: layer_norm(x, weight, bias),
+                "F.layer_norm": lambda x: F.layer_norm(x, (D,), weight, bias, 1e-5),
+                "eager reference": lambda x: layer_norm_ref(x, weight, bias),
+                "compiled reference": torch.compile(lambda x: layer_norm_ref(x, weight, bias), dynamic=False),
+            },
+            lambda x: layer_norm_ref(x.double(), weight.double(), bias.double()),
             2,
             5,
         ),
@@ -73,7 +87,7 @@ def main() -> int:
     parser.add_argument("--out", default="results")
     parser.add_argument("--widths", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--elements", type=int, default=2**27, help="rows * D for every width")
-    parser.add_argument("--ops", default="rms_norm,softmax,swiglu", help="comma-separated subset")
+    parser.add_argument("--ops", default="rms_norm,layer_norm,softmax,swiglu", help="comma-separated subset")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_memory_bound needs a CUDA GPU")
