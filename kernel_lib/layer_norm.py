@@ -69,6 +69,7 @@ def _layer_norm_fwd_kernel(
     x_row_stride,  # elements between the starts of consecutive rows of x
     n_rows,  # number of rows
     D,  # row width
+    inv_D,  # 1 / D, rounded once on the host: x / D compiles to an approximate division on GPUs
     eps,  # added to the variance
     HAS_WEIGHT: tl.constexpr,  # multiply by weight or not
     HAS_BIAS: tl.constexpr,  # add bias or not
@@ -81,9 +82,9 @@ def _layer_norm_fwd_kernel(
     mask = row_mask[:, None] & (cols[None, :] < D)
     rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2**31 elements
     x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / D  # (BLOCK_M,)
+    mean = tl.sum(x, axis=1) * inv_D  # (BLOCK_M,)
     centered = tl.where(mask, x - mean[:, None], 0.0)  # padding must not enter the variance
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / D + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) * inv_D + eps)
     y = centered * rstd[:, None]
     if HAS_WEIGHT:
         y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
@@ -108,6 +109,7 @@ def _layer_norm_bwd_kernel(
     x_row_stride,  # elements between rows of x
     n_rows,  # number of rows
     D,  # row width
+    inv_D,  # 1 / D, rounded once on the host (exact for D = 1, where rstd = 1/sqrt(eps) amplifies any error)
     rows_per_program,  # each program handles rows pid * rows_per_program + [0, rows_per_program)
     HAS_WEIGHT: tl.constexpr,  # weight present: scale dy by it and accumulate dweight
     HAS_BIAS: tl.constexpr,  # bias present: accumulate dbias
@@ -130,7 +132,7 @@ def _layer_norm_bwd_kernel(
         rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
         xhat = tl.where(row_mask, (x - mean) * rstd, 0.0)
         g = dy * w if HAS_WEIGHT else dy
-        dx = (g - tl.sum(g, axis=0) / D - xhat * (tl.sum(g * xhat, axis=0) / D)) * rstd
+        dx = (g - tl.sum(g, axis=0) * inv_D - xhat * (tl.sum(g * xhat, axis=0) * inv_D)) * rstd
         tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
         if HAS_WEIGHT:
             dw_acc += dy * xhat
@@ -163,7 +165,7 @@ def _forward(x, weight, bias, eps):
     block_d, block_m, num_warps = row_block_settings(D, x.element_size())
     _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
         rows, weight if weight is not None else rows, bias if bias is not None else rows, y, mean, rstd,
-        rows.stride(0), n_rows, D, eps,
+        rows.stride(0), n_rows, D, 1.0 / D, eps,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d, BLOCK_M=block_m,
         num_warps=num_warps,
     )  # fmt: skip
@@ -196,7 +198,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
     db_partial = torch.empty((programs, D), device=x.device, dtype=torch.float32) if bias is not None else dx
     _layer_norm_bwd_kernel[(programs,)](
         dy_rows, rows, weight if weight is not None else rows, mean, rstd, dx, dw_partial, db_partial,
-        dy_rows.stride(0), rows.stride(0), n_rows, D, rows_per_program,
+        dy_rows.stride(0), rows.stride(0), n_rows, D, 1.0 / D, rows_per_program,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else none
