@@ -13,6 +13,7 @@ Kernels are exported here as they land.
 from . import bench, validate
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
+from .rope import rope, rope_cos_sin, rope_ref
 from .softmax import softmax, softmax_ref
 from .swiglu import geglu, geglu_ref, swiglu, swiglu_ref
 
@@ -27,6 +28,9 @@ __all__ = [
     "layer_norm",
     "layer_norm_ref",
     "LayerNorm",
+    "rope",
+    "rope_ref",
+    "rope_cos_sin",
     "softmax",
     "softmax_ref",
     "swiglu",
