@@ -11,6 +11,7 @@ Kernels are exported here as they land.
 """
 
 from . import bench, validate
+from .cross_entropy import cross_entropy, cross_entropy_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
 from .rope import rope, rope_cos_sin, rope_ref
@@ -22,6 +23,8 @@ __version__ = "0.1.0"
 __all__ = [
     "bench",
     "validate",
+    "cross_entropy",
+    "cross_entropy_ref",
     "rms_norm",
     "rms_norm_ref",
     "RMSNorm",

@@ -1,0 +1,265 @@
+"""Cross-entropy over a large vocabulary in Triton: float32 loss from logits of any float dtype, without upcasting.
+
+For logits x (T, V), targets t (T,) and label smoothing eps, each row's loss is::
+
+    lse  = log(sum_i exp(x_i))                                   (online: running max and rescaled sum)
+    loss = lse - (1 - eps) * x_t - (eps / V) * sum_i x_i          (= (1 - eps) * nll + eps * mean_i(-log p_i))
+
+and its gradient, scaled by the upstream gradient of that row::
+
+    dx_i = (softmax_i - (1 - eps) * [i == t] - eps / V) * dloss_row
+
+The forward reads the logits once and writes two floats per row (loss, lse); the backward reads the logits once
+more and writes the gradient once, in the logits' dtype. ``F.cross_entropy(logits.float(), t)`` instead writes a
+float32 copy of the logits and its log-softmax. Rows whose target is ``ignore_index`` get loss 0 and gradient 0;
+a target outside [0, V) gives a NaN loss for its row (no host synchronization is spent checking targets).
+The reduction (mean over the rows that are not ignored, sum, or none) is plain PyTorch on the (T,) row losses,
+so autograd hands the kernel one upstream gradient per row whatever the reduction; all rows ignored with
+``reduction="mean"`` gives NaN, as in PyTorch.
+
+Registered as ``kernel_lib::cross_entropy_fwd`` / ``kernel_lib::cross_entropy_bwd`` custom ops with fake
+implementations and autograd, so ``torch.compile(fullgraph=True)`` traces through it; eager calls use a plain
+``torch.autograd.Function``. Sources: Milakov & Gimelshein (2018) for the online log-sum-exp; Liger-Kernel's
+cross-entropy for the chunked-vocabulary layout.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_same_device, check_tensor, use_triton
+
+__all__ = ["cross_entropy", "cross_entropy_ref"]
+
+BLOCK_V = 4096  # vocabulary entries per step
+
+
+def cross_entropy_ref(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """The definition: ``F.cross_entropy`` on logits upcast to float32 (float64 stays float64)."""
+    compute = torch.promote_types(logits.dtype, torch.float32)
+    return torch.nn.functional.cross_entropy(
+        logits.to(compute), target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _ce_fwd_kernel(
+    logits_ptr,  # (T, V), unit stride along V
+    target_ptr,  # (T,) int64
+    loss_ptr,  # output (T,) float32: each row's loss
+    lse_ptr,  # output (T,) float32: each row's log-sum-exp, saved for backward
+    logits_row_stride,  # elements between rows of logits
+    V,  # vocabulary size
+    ignore_index,  # target value whose row is skipped
+    smoothing,  # label smoothing eps in [0, 1]
+    HAS_SMOOTHING: tl.constexpr,  # eps > 0: also sum the logits
+    BLOCK_V: tl.constexpr,  # vocabulary entries per step
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * logits_row_stride
+    target = tl.load(target_ptr + row)
+    cols = tl.arange(0, BLOCK_V)
+    m = -float("inf")  # running maximum
+    s = 0.0  # running sum of exp(x - m)
+    total = 0.0  # running sum of x (label smoothing)
+    for start in range(0, V, BLOCK_V):
+        mask = start + cols < V
+        x = tl.load(row_ptr + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        # While the row has seen only -inf, exp(-inf - -inf) would be NaN: keep the sum at 0.
+        s = s * tl.where(m_new == -float("inf"), 0.0, tl.exp(m - m_new)) + tl.sum(
+            tl.where(mask & (x > -float("inf")), tl.exp(x - m_new), 0.0), axis=0
+        )
+        m = m_new
+        if HAS_SMOOTHING:
+            total += tl.sum(tl.where(mask, x, 0.0), axis=0)
+    lse = m + tl.log(s)
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < V)
+    x_t = tl.load(row_ptr + tl.where(in_range, target, 0)).to(tl.float32)
+    loss = lse - (1.0 - smoothing) * x_t
+    if HAS_SMOOTHING:
+        loss -= smoothing / V * total
+    loss = tl.where(in_range, loss, float("nan"))
+    tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _ce_bwd_kernel(
+    logits_ptr,  # (T, V), unit stride along V
+    target_ptr,  # (T,) int64
+    lse_ptr,  # (T,) float32 from the forward
+    dloss_ptr,  # (T,) float32: upstream gradient of each row's loss
+    dlogits_ptr,  # output (T, V) contiguous, logits' dtype
+    logits_row_stride,  # elements between rows of logits
+    V,  # vocabulary size
+    ignore_index,  # target value whose row gets zero gradient
+    smoothing,  # label smoothing eps
+    BLOCK_V: tl.constexpr,  # vocabulary entries per step
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * logits_row_stride
+    out_ptr = dlogits_ptr + row * V
+    target = tl.load(target_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    scale = tl.where(target == ignore_index, 0.0, tl.load(dloss_ptr + row))
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        mask = start + cols < V
+        x = tl.load(row_ptr + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        grad = tl.exp(x - lse) - smoothing / V - (1.0 - smoothing) * ((start + cols) == target).to(tl.float32)
+        grad = tl.where(scale == 0.0, 0.0, grad * scale)  # ignored rows: exactly 0, even when dloss is inf or NaN
+        tl.store(out_ptr + start + cols, grad.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+def _forward(logits, target, ignore_index, smoothing):
+    T, V = logits.shape
+    loss = torch.empty(T, device=logits.device, dtype=torch.float32)
+    lse = torch.empty(T, device=logits.device, dtype=torch.float32)
+    if T == 0:
+        return loss, lse
+    if not use_triton(logits, op="cross_entropy"):
+        xf = logits.float()
+        lse.copy_(torch.logsumexp(xf, dim=-1))
+        loss.copy_(cross_entropy_ref(logits, target, ignore_index, "none", smoothing))
+        return loss, lse
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    _ce_fwd_kernel[(T,)](
+        logits, target, loss, lse, logits.stride(0), V, ignore_index, smoothing,
+        HAS_SMOOTHING=smoothing > 0, BLOCK_V=BLOCK_V, num_warps=8,
+    )  # fmt: skip
+    return loss, lse
+
+
+def _backward(dloss, logits, target, lse, ignore_index, smoothing):
+    T, V = logits.shape
+    dlogits = torch.empty((T, V), device=logits.device, dtype=logits.dtype)
+    if T == 0:
+        return dlogits
+    dloss = dloss.to(torch.float32).contiguous()
+    if not use_triton(logits, op="cross_entropy"):
+        p = torch.exp(logits.float() - lse[:, None])
+        p[torch.arange(T, device=logits.device), target.clamp(0, V - 1)] -= 1.0 - smoothing
+        scale = torch.where(target == ignore_index, 0.0, dloss)
+        grad = torch.where(scale[:, None] == 0, 0.0, (p - smoothing / V) * scale[:, None])
+        return dlogits.copy_(grad)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    _ce_bwd_kernel[(T,)](
+        logits, target, lse, dloss, dlogits, logits.stride(0), V, ignore_index, smoothing,
+        BLOCK_V=BLOCK_V, num_warps=8,
+    )  # fmt: skip
+    return dlogits
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.library registration and autograd
+# --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kernel_lib::cross_entropy_fwd", mutates_args=())
+def _ce_fwd_op(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(logits, target, ignore_index, smoothing)
+
+
+@_ce_fwd_op.register_fake
+def _(logits, target, ignore_index, smoothing):
+    rows = logits.shape[0]
+    return logits.new_empty(rows, dtype=torch.float32), logits.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("kernel_lib::cross_entropy_bwd", mutates_args=())
+def _ce_bwd_op(
+    dloss: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    smoothing: float,
+) -> torch.Tensor:
+    return _backward(dloss, logits, target, lse, ignore_index, smoothing)
+
+
+@_ce_bwd_op.register_fake
+def _(dloss, logits, target, lse, ignore_index, smoothing):
+    return logits.new_empty(logits.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, ignore_index, smoothing = inputs
+    ctx.ignore_index, ctx.smoothing = ignore_index, smoothing
+    ctx.save_for_backward(logits, target, output[1])
+
+
+def _backward_rule(ctx, dloss, _dlse):
+    logits, target, lse = ctx.saved_tensors
+    return _ce_bwd_op(dloss, logits, target, lse, ctx.ignore_index, ctx.smoothing), None, None, None
+
+
+_ce_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+class _CrossEntropyRows(torch.autograd.Function):
+    """Eager-mode autograd over the same launchers, without the custom op's Python dispatch overhead."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, smoothing):
+        loss, lse = _forward(logits, target, ignore_index, smoothing)
+        ctx.ignore_index, ctx.smoothing = ignore_index, smoothing
+        ctx.save_for_backward(logits, target, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        logits, target, lse = ctx.saved_tensors
+        return _backward(dloss, logits, target, lse, ctx.ignore_index, ctx.smoothing), None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Functional API
+# --------------------------------------------------------------------------------------------------
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """Cross-entropy of logits (T, V) (float32, float16 or bfloat16) against int64 targets (T,), in float32.
+
+    Equals ``F.cross_entropy(logits.float(), target, ...)``; the gradient comes back in the logits' dtype.
+    ``reduction`` is ``"mean"`` (over rows whose target is not ``ignore_index``), ``"sum"`` or ``"none"``.
+    """
+    check_tensor(logits, "logits", ndim=2)
+    check_tensor(target, "target", dtypes=(torch.int64,), ndim=1)
+    if target.shape[0] != logits.shape[0]:
+        raise ValueError(f"target must have one entry per row of logits ({logits.shape[0]}), got {target.shape[0]}")
+    check_same_device(logits=logits, target=target)
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f'reduction must be "mean", "sum" or "none", got {reduction!r}')
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    target = target.contiguous()
+    if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
+        rows = _ce_fwd_op(logits, target, int(ignore_index), float(label_smoothing))[0]
+    else:
+        rows = _CrossEntropyRows.apply(logits, target, int(ignore_index), float(label_smoothing))
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / (target != ignore_index).sum()
