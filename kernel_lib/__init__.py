@@ -13,6 +13,7 @@ Kernels are exported here as they land.
 from . import bench, validate
 from .cross_entropy import cross_entropy, cross_entropy_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
+from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
 from .rope import rope, rope_cos_sin, rope_ref
 from .softmax import softmax, softmax_ref
@@ -25,6 +26,8 @@ __all__ = [
     "validate",
     "cross_entropy",
     "cross_entropy_ref",
+    "linear_cross_entropy",
+    "linear_cross_entropy_ref",
     "rms_norm",
     "rms_norm_ref",
     "RMSNorm",
