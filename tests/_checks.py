@@ -52,6 +52,17 @@ def allowed_factor(inputs: Sequence) -> float:
     return 4.0 if has_bf16 and on_cpu and is_interpreting() and not BF16_ROUNDS_TO_NEAREST else 2.0
 
 
+def rows_input(shape, dtype, device, layout="contiguous", offset=0.0) -> torch.Tensor:
+    """A random (..., D) input in one of the layouts the row kernels must handle, created in ``dtype`` so the
+    layout survives (a later ``.to(dtype)`` would copy it to contiguous)."""
+    D = shape[-1]
+    if layout == "transposed":  # last dim strided: the launcher must copy
+        return (offset + torch.randn(D, *shape[:-1], device=device)).to(dtype).movedim(0, -1)
+    if layout == "sliced":  # rows with a stride larger than their width: no copy needed
+        return (offset + torch.randn(*shape[:-1], D + 3, device=device)).to(dtype)[..., :D]
+    return (offset + torch.randn(shape, device=device)).to(dtype)
+
+
 def _like(value, dtype=None, requires_grad=False):
     if not isinstance(value, torch.Tensor):
         return value

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernel_lib.layer_norm import LayerNorm, layer_norm, layer_norm_ref
-from tests._checks import check_forward_backward
+from tests._checks import check_forward_backward, rows_input
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
     pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
@@ -24,12 +24,7 @@ SHAPES = [
 
 def _inputs(shape, dtype, device, layout="contiguous", affine=True):
     D = shape[-1]
-    if layout == "transposed":  # last dim strided: the launcher must copy
-        x = torch.randn(D, *shape[:-1], device=device).to(dtype).movedim(0, -1)
-    elif layout == "sliced":  # rows with a stride larger than their width: no copy needed
-        x = torch.randn(*shape[:-1], D + 3, device=device).to(dtype)[..., :D]
-    else:
-        x = (2 + torch.randn(shape, device=device)).to(dtype)  # a non-zero mean, as real activations have
+    x = rows_input(shape, dtype, device, layout, offset=2.0)  # a non-zero mean, as real activations have
     w = (1 + 0.5 * torch.randn(D, device=device)).to(dtype) if affine else None
     b = (0.5 * torch.randn(D, device=device)).to(dtype) if affine else None
     return x, w, b

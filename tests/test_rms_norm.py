@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernel_lib.rms_norm import RMSNorm, rms_norm, rms_norm_ref
-from tests._checks import check_forward_backward
+from tests._checks import check_forward_backward, rows_input
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
     pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
@@ -24,12 +24,7 @@ SHAPES = [
 
 def _inputs(shape, dtype, device, layout="contiguous", weight=True):
     D = shape[-1]
-    if layout == "transposed":  # last dim strided: the launcher must copy
-        x = torch.randn(D, *shape[:-1], device=device).to(dtype).movedim(0, -1)
-    elif layout == "sliced":  # rows with a stride larger than their width: no copy needed
-        x = torch.randn(*shape[:-1], D + 3, device=device).to(dtype)[..., :D]
-    else:
-        x = torch.randn(shape, device=device).to(dtype)
+    x = rows_input(shape, dtype, device, layout)
     w = (1 + 0.5 * torch.randn(D, device=device)).to(dtype) if weight else None
     return x, w
 
