@@ -4,9 +4,9 @@
     dx = y * (dy - sum(dy * y))                                              (sums over the last dim)
 
 Rows up to ``MAX_FUSED`` elements are held whole in registers: the kernel reads x once and writes y once,
-the fewest bytes possible (eager PyTorch makes several passes; see notebook 04a). Wider rows (a 128k-entry
-vocabulary, say) stream through in chunks with the *online* softmax: one pass keeps a running maximum ``m`` and
-a running sum rescaled by ``exp(m_old - m_new)`` whenever the maximum grows, a second pass writes the result.
+the fewest bytes possible. Wider rows (a 128k-entry vocabulary, say) stream through in chunks with the
+*online* softmax: one pass keeps a running maximum ``m`` and a running sum rescaled by ``exp(m_old - m_new)``
+whenever the maximum grows, a second pass reads x again and writes the result.
 Entries of ``-inf`` get exactly 0; a row that is all ``-inf`` gives NaN, as in PyTorch. Backward saves y, not x.
 Arithmetic is in float32; y is rounded once to x's dtype.
 
