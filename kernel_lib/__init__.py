@@ -11,6 +11,7 @@ Kernels are exported here as they land.
 """
 
 from . import bench, validate
+from .attention import MultiHeadAttention, attention_ref, flash_attention
 from .cross_entropy import cross_entropy, cross_entropy_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
 from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
@@ -24,6 +25,9 @@ __version__ = "0.1.0"
 __all__ = [
     "bench",
     "validate",
+    "flash_attention",
+    "attention_ref",
+    "MultiHeadAttention",
     "cross_entropy",
     "cross_entropy_ref",
     "linear_cross_entropy",

@@ -1,0 +1,316 @@
+"""Flash attention in Triton: tiled attention with the online softmax, forward and backward, with causal,
+sliding-window and grouped-query attention.
+
+For q (B, Hq, N, D), k and v (B, Hkv, M, D) with Hq a multiple of Hkv (query head h reads key/value head
+h // (Hq / Hkv)) and scale s (default 1/sqrt(D))::
+
+    out[i] = sum_j softmax_j(s * q_i . k_j over visible j) v_j          lse[i] = log sum_j exp(s * q_i . k_j)
+
+Visibility, with the bottom-right alignment of FlashAttention (offset = M - N, so the last query sees the last
+key; equal to PyTorch's ``is_causal`` when N = M):
+
+* causal:          j <= i + offset
+* window W:        i + offset - W < j <= i + offset         (requires causal)
+
+A query that sees no key (N > M, causal) gets out = 0 and lse = -inf, and no gradient.
+
+Forward: each program owns a block of BLOCK_M queries of one head, streams the visible key/value blocks through
+shared memory, and keeps a running maximum, a running sum and an unnormalized output in registers (online
+softmax, in base 2 for the hardware's exp2). It writes out and lse; nothing of size N x M ever reaches memory.
+Backward recomputes the probabilities blockwise from lse: one kernel owns a key/value block and loops over the
+query blocks of every query head of its group (dK, dV, summed over the group in registers); a second owns a
+query block and loops over key blocks (dQ). No atomics, so results are deterministic.
+
+The Triton kernels live in the sibling ``attention_kernels.py``. Registered as the
+``kernel_lib::flash_attention_fwd`` / ``kernel_lib::flash_attention_bwd`` custom ops with fake implementations
+and autograd, so ``torch.compile(fullgraph=True)`` traces through it; eager calls use a plain
+``torch.autograd.Function``. Sources: Dao et al., FlashAttention (2022) and FlashAttention-2 (2023); Triton's
+fused-attention tutorial.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import triton
+
+from ._utils import check_same_device, check_same_dtype, check_tensor, use_triton
+from .attention_kernels import LOG2E, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_fwd_kernel
+
+__all__ = ["flash_attention", "attention_ref", "MultiHeadAttention"]
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _visible(N: int, M: int, causal: bool, window: Optional[int], device) -> torch.Tensor:
+    """(N, M) boolean mask: which keys each query sees."""
+    i = torch.arange(N, device=device)[:, None] + (M - N)  # query positions aligned to the keys' end
+    j = torch.arange(M, device=device)[None, :]
+    mask = torch.ones(N, M, dtype=torch.bool, device=device)
+    if causal:
+        mask &= j <= i
+    if window is not None:
+        mask &= j > i - window
+    return mask
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    window: Optional[int] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """The definition with an explicit (N, M) mask, in float32 (float64 for float64 input), out in q's dtype."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    B, Hq, N, D = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    kf = k.to(compute).repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, M, D)
+    vf = v.to(compute).repeat_interleave(Hq // Hkv, dim=1)
+    scores = (q.to(compute) @ kf.transpose(-1, -2)) * scale  # (B, Hq, N, M)
+    scores = scores.masked_fill(~_visible(N, M, causal, window, q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, N); -inf where a query sees nothing
+    probs = torch.exp(scores - lse[..., None].clamp_min(torch.finfo(compute).min)).nan_to_num(0.0)
+    out = (probs @ vf).to(q.dtype)
+    return (out, lse.float() if compute != torch.float64 else lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers (inputs already checked by the functional API)
+# --------------------------------------------------------------------------------------------------
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _shapes(q, k):
+    B, Hq, N, D = q.shape
+    return B, Hq, k.shape[1], N, k.shape[2], D
+
+
+def _forward(q, k, v, causal, window, scale):
+    B, Hq, Hkv, N, M, D = _shapes(q, k)
+    out = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    if not use_triton(q, k, v, op="flash_attention"):
+        ref_out, ref_lse = attention_ref(q, k, v, causal, window, scale, return_lse=True)
+        return out.copy_(ref_out), lse.copy_(ref_lse)
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)
+
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        Hq, N, M, Hq // Hkv, scale * LOG2E, window or 0,
+        HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu",
+    )  # fmt: skip
+    return out, lse
+
+
+def _backward_reference(do, q, k, v, lse, delta, causal, window, scale):
+    """The backward in plain PyTorch (float32), for CPU tensors without the interpreter."""
+    B, Hq, Hkv, N, M, D = _shapes(q, k)
+    group = Hq // Hkv
+    kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)  # (B, Hq, M, D)
+    s = (q.float() @ kf.transpose(-1, -2)) * scale  # (B, Hq, N, M)
+    s = s.masked_fill(~_visible(N, M, causal, window, q.device), float("-inf"))
+    p = torch.where(s == float("-inf"), 0.0, torch.exp(s - lse[..., None]))
+    dof = do.float()
+    ds = p * (dof @ vf.transpose(-1, -2) - delta[..., None])
+    dq = (ds @ kf) * scale
+    dk = ((ds.transpose(-1, -2) @ q.float()) * scale).view(B, Hkv, group, M, D).sum(2)
+    dv = (p.transpose(-1, -2) @ dof).view(B, Hkv, group, M, D).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
+    B, Hq, Hkv, N, M, D = _shapes(q, k)
+    do = do.contiguous()
+    # d(loss)/d(score_ij) = p_ij * (dp_ij - delta_i); a gradient flowing into lse_i adds p_ij * dlse_i.
+    delta = (do.float() * out.float()).sum(-1)  # (B, Hq, N)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    lse = lse.contiguous()
+    if not use_triton(q, k, v, op="flash_attention"):
+        return _backward_reference(do, q, k, v, lse, delta, causal, window, scale)
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    dq = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, Hkv, M, D), device=k.device, dtype=k.dtype)
+    dv = torch.empty((B, Hkv, M, D), device=v.device, dtype=v.dtype)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    common = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
+    _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_N"]), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        Hq, Hkv, N, M, Hq // Hkv, scale, window or 0, **common,
+    )  # fmt: skip
+    _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)](
+        q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        Hq, N, M, Hq // Hkv, scale, window or 0, **common,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.library registration and autograd
+# --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kernel_lib::flash_attention_fwd", mutates_args=())
+def _attn_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: Optional[int], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, window, scale)
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, causal, window, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("kernel_lib::flash_attention_bwd", mutates_args=())
+def _attn_bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: Optional[torch.Tensor],
+    causal: bool,
+    window: Optional[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, out, lse, dlse, causal, window, scale)
+
+
+@_attn_bwd_op.register_fake
+def _(do, q, k, v, out, lse, dlse, causal, window, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, window, scale = inputs
+    ctx.causal, ctx.window, ctx.scale = causal, window, scale
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _backward_rule(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.window, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_attn_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Eager-mode autograd over the same launchers, without the custom op's Python dispatch overhead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, window, scale):
+        out, lse = _forward(q, k, v, causal, window, scale)
+        ctx.causal, ctx.window, ctx.scale = causal, window, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.window, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Functional API
+# --------------------------------------------------------------------------------------------------
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    window: Optional[int] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Attention of q (B, Hq, N, D) over k, v (B, Hkv, M, D), Hq a multiple of Hkv, float16 or bfloat16.
+
+    ``causal`` aligns the mask bottom-right (query i sees keys j <= i + M - N; PyTorch's ``is_causal`` when
+    N = M); ``window=W`` (with causal) also hides keys j <= i + M - N - W. ``scale`` defaults to 1/sqrt(D).
+    Returns out (B, Hq, N, D) in q's dtype, and with ``return_lse`` also the float32 log-sum-exp (B, Hq, N).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name, dtypes=(torch.float16, torch.bfloat16), ndim=4)
+    check_same_dtype(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if window is not None:
+        if not causal:
+            raise ValueError("window needs causal=True (a sliding window looks back from each query)")
+        if int(window) < 1:
+            raise ValueError(f"window must be a positive number of keys, got {window}")
+        window = int(window)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
+        out, lse = _attn_fwd_op(q, k, v, bool(causal), window, scale)
+    else:
+        out, lse = _FlashAttention.apply(q, k, v, bool(causal), window, scale)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------------
+# Module
+# --------------------------------------------------------------------------------------------------
+class MultiHeadAttention(torch.nn.Module):
+    """Self-attention with one fused QKV projection, optional rotary embedding, flash attention and an output
+    projection. ``n_kv_heads`` < ``n_heads`` gives grouped-query attention (1: multi-query)."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: Optional[int] = None,
+        causal: bool = True,
+        window: Optional[int] = None,
+        rope: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if dim % n_heads or n_heads % n_kv_heads:
+            raise ValueError(
+                f"dim ({dim}) must divide into n_heads ({n_heads}), a multiple of n_kv_heads ({n_kv_heads})"
+            )
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.causal, self.window, self.rope = causal, window, rope
+        qkv_out = (n_heads + 2 * n_kv_heads) * self.head_dim
+        self.qkv = torch.nn.Linear(dim, qkv_out, bias=False, device=device, dtype=dtype)
+        self.proj = torch.nn.Linear(dim, dim, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
+        k = k.view(B, N, Hkv, D).transpose(1, 2)  # (B, Hkv, N, D)
+        v = v.view(B, N, Hkv, D).transpose(1, 2)
+        if self.rope:
+            from .rope import rope, rope_cos_sin  # imported here: without rope this file needs only _utils.py
+
+            cos, sin = rope_cos_sin(N, D, device=x.device)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+        out = flash_attention(q, k, v, causal=self.causal, window=self.window)  # (B, H, N, D)
+        return self.proj(out.transpose(1, 2).reshape(B, N, H * D))
