@@ -31,6 +31,18 @@ _FWD_CONFIGS = [
 
 
 @triton.jit
+def _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32: tl.constexpr):
+    """One (BLOCK_N, HEAD_DIM) tile each of k and v; rows past M read as 0; upcast when the dot needs float32."""
+    kv_mask = offs_n[:, None] < M
+    k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _mask_scores(s, offs_m, offs_n, N, M, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WINDOW_SIZE):
     """-inf where key offs_n is out of range or not visible to query offs_m (bottom-right aligned)."""
     visible = offs_n[None, :] < M
@@ -97,12 +109,7 @@ def _attn_fwd_kernel(
     lo = (lo // BLOCK_N) * BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = offs_n[:, None] < M
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
         s = _mask_scores(s, offs_m, offs_n, N, M, CAUSAL, WINDOW, WINDOW_SIZE)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -163,19 +170,9 @@ def _attn_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_mask = offs_n[:, None] < M
-    k = tl.load(
-        k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    v = tl.load(
-        v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k_base = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     # Queries that can see any key of this block (bottom-right alignment, offset M - N).
@@ -253,12 +250,7 @@ def _attn_bwd_dq_kernel(
     lo = (lo // BLOCK_N) * BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = offs_n[:, None] < M
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
         p = _probs(q, k, lse, offs_m, offs_n, N, M, scale, CAUSAL, WINDOW, WINDOW_SIZE)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
