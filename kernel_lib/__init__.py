@@ -13,6 +13,7 @@ Kernels are exported here as they land.
 from . import bench, validate
 from .attention import MultiHeadAttention, attention_ref, flash_attention
 from .cross_entropy import cross_entropy, cross_entropy_ref
+from .grouped_mm import grouped_mm, grouped_mm_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
 from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
@@ -30,6 +31,8 @@ __all__ = [
     "MultiHeadAttention",
     "cross_entropy",
     "cross_entropy_ref",
+    "grouped_mm",
+    "grouped_mm_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
     "rms_norm",

@@ -1,0 +1,265 @@
+"""Grouped matrix multiplication in Triton: one launch multiplies each group of rows by its own matrix.
+
+For x (T, K), w (E, K, N) and offs (E,) int32, the cumulative end row of each group (as ``torch._grouped_mm``
+takes them; group e owns rows offs[e-1]:offs[e], and a group may be empty)::
+
+    out[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e]                                 out: (T, N)
+
+This is the expert computation of a Mixture-of-Experts layer once tokens are sorted by expert. A per-expert
+Python loop launches E matmuls, most of them small; here one launch covers every (group, row tile, column tile).
+The grid is sized without reading offs on the host (no synchronization): at most cdiv(T, BLOCK_M) + E row tiles
+exist, each program finds its group by scanning offs, and programs past the last tile do nothing. Backward:
+dx = grouped dy @ w[e].T (the same kernel on a transposed view of w) and dw[e] = x_e.T @ dy_e (a second kernel,
+one program per (group, K tile, N tile) looping over the group's rows; an empty group gets zeros).
+
+float32 inputs multiply in full float32 (``input_precision="ieee"``), not TF32, so they match PyTorch's default.
+Sources: Gale et al., MegaBlocks (2022); Triton's grouped-GEMM tutorial.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_same_device, check_same_dtype, check_tensor, configs_for_autotune, use_triton
+
+__all__ = ["grouped_mm", "grouped_mm_ref"]
+
+
+def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The definition: a loop over groups in plain PyTorch, float32 accumulation (float64 for float64)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    out = x.new_zeros((x.shape[0], w.shape[2]), dtype=compute)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end].to(compute) @ w[e].to(compute)
+        start = end
+    return out.to(x.dtype)
+
+
+_CONFIGS = [
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=2),  # first: interpreted
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+]
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.autotune(configs=configs_for_autotune(_CONFIGS), key=["K", "N", "E"])
+@triton.jit
+def _grouped_mm_kernel(
+    x_ptr,  # (T, K)
+    w_ptr,  # (E, K, N), any strides
+    offs_ptr,  # (E,) int32 cumulative group ends
+    out_ptr,  # (T, N) contiguous
+    sxt, sxk,  # x strides
+    swe, swk, swn,  # w strides
+    K, N, E,  # inner size, columns, groups
+    DOT_FP32: tl.constexpr,  # upcast before tl.dot (the interpreter's bf16 dot is wrong)
+    IEEE: tl.constexpr,  # float32 inputs: full-precision dot, not TF32
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    # Find this program's (group, row tile): tiles are numbered group after group.
+    group = 0
+    row_start = 0
+    row_end = 0
+    tiles_before = 0
+    prev_end = 0
+    for e in range(0, E):
+        end = tl.load(offs_ptr + e)
+        n_tiles = tl.cdiv(end - prev_end, BLOCK_M)
+        hit = (pid_m >= tiles_before) & (pid_m < tiles_before + n_tiles)
+        group = tl.where(hit, e, group)
+        row_start = tl.where(hit, prev_end + (pid_m - tiles_before) * BLOCK_M, row_start)
+        row_end = tl.where(hit, end, row_end)  # stays 0 past the last tile: every row masked off
+        tiles_before += n_tiles
+        prev_end = end
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < row_end
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * sxt
+    w_group = w_ptr + group.to(tl.int64) * swe
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + ks < K
+        a = tl.load(x_rows + (k0 + ks)[None, :] * sxk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(
+            w_group + (k0 + ks)[:, None] * swk + cols[None, :] * swn,
+            mask=k_ok[:, None] & (cols[None, :] < N),
+            other=0.0,
+        )
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = _dot(a, b, acc, IEEE)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
+
+
+@triton.autotune(configs=configs_for_autotune(_CONFIGS), key=["K", "N", "E"])
+@triton.jit
+def _grouped_dw_kernel(
+    x_ptr,  # (T, K)
+    dy_ptr,  # (T, N) contiguous
+    offs_ptr,  # (E,) int32 cumulative group ends
+    dw_ptr,  # (E, K, N) contiguous
+    sxt, sxk,  # x strides
+    K, N, E,  # inner size, columns, groups
+    DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per step
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(0)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.where(e > 0, tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0)
+    end = tl.load(offs_ptr + e)
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        xt = tl.load(
+            x_ptr + rows.to(tl.int64)[None, :] * sxt + ks[:, None] * sxk,
+            mask=row_ok[None, :] & (ks[:, None] < K),
+            other=0.0,
+        )
+        dy = tl.load(
+            dy_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+            mask=row_ok[:, None] & (cols[None, :] < N),
+            other=0.0,
+        )
+        if DOT_FP32:
+            xt = xt.to(tl.float32)
+            dy = dy.to(tl.float32)
+        acc = _dot(xt, dy, acc, IEEE)
+    dw_ptrs = dw_ptr + e.to(tl.int64) * K * N + ks[:, None] * N + cols[None, :]
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(ks[:, None] < K) & (cols[None, :] < N))
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    T, K = x.shape
+    E, _, N = w.shape
+    out = torch.empty((T, N), device=x.device, dtype=x.dtype)
+    if T == 0 or N == 0:
+        return out
+    if not use_triton(x, w, op="grouped_mm"):
+        return out.copy_(grouped_mm_ref(x, w, offs))
+    flags = dict(DOT_FP32=x.device.type == "cpu", IEEE=x.dtype == torch.float32)
+
+    def grid(meta):
+        return (triton.cdiv(T, meta["BLOCK_M"]) + E, triton.cdiv(N, meta["BLOCK_N"]))
+
+    _grouped_mm_kernel[grid](x, w, offs, out, *x.stride(), *w.stride(), K, N, E, **flags)
+    return out
+
+
+def _grad_weight(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, E: int) -> torch.Tensor:
+    T, K = x.shape
+    N = dy.shape[1]
+    dw = torch.empty((E, K, N), device=x.device, dtype=x.dtype)
+    if not use_triton(x, dy, op="grouped_mm"):
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            dw[e] = (x[start:end].float().T @ dy[start:end].float()).to(x.dtype)
+            start = end
+        return dw
+    flags = dict(DOT_FP32=x.device.type == "cpu", IEEE=x.dtype == torch.float32)
+
+    def grid(meta):
+        return (E, triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(N, meta["BLOCK_N"]))
+
+    _grouped_dw_kernel[grid](x, dy.contiguous(), offs, dw, *x.stride(), K, N, E, **flags)
+    return dw
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.library registration and autograd
+# --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kernel_lib::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _forward(x, w, offs)
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offs):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("kernel_lib::grouped_mm_grad_weight", mutates_args=())
+def _grad_weight_op(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, n_groups: int) -> torch.Tensor:
+    return _grad_weight(x, dy, offs, n_groups)
+
+
+@_grad_weight_op.register_fake
+def _(x, dy, offs, n_groups):
+    return x.new_empty((n_groups, x.shape[1], dy.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _backward_rule(ctx, dy):
+    x, w, offs = ctx.saved_tensors
+    dx = _grouped_mm_op(dy.contiguous(), w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+    dw = _grad_weight_op(x, dy, offs, w.shape[0]) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_grouped_mm_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """Eager-mode autograd over the same launchers, without the custom op's Python dispatch overhead."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return _forward(x, w, offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        dx = _forward(dy.contiguous(), w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+        dw = _grad_weight(x, dy, offs, w.shape[0]) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Functional API
+# --------------------------------------------------------------------------------------------------
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows offs[e-1]:offs[e] of x (T, K) times w[e] (E, K, N); offs int32 (E,), non-decreasing, offs[-1] = T.
+
+    Returns (T, N) in x's dtype (float32, float16 or bfloat16); differentiable in x and w. Outside torch.compile
+    the offsets are checked on the host, which waits for the GPU once per call.
+    """
+    check_tensor(x, "x", ndim=2)
+    check_tensor(w, "w", ndim=3)
+    check_tensor(offs, "offs", dtypes=(torch.int32,), ndim=1)
+    check_same_dtype(x=x, w=w)
+    check_same_device(x=x, w=w, offs=offs)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must have shape (E, {x.shape[1]}, N) to match x's K, got {tuple(w.shape)}")
+    if offs.shape[0] != w.shape[0]:
+        raise ValueError(f"offs must have one entry per group of w ({w.shape[0]}), got {offs.shape[0]}")
+    if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
+        return _grouped_mm_op(x, w, offs)
+    ends = offs.tolist()
+    if any(b < a for a, b in zip([0, *ends[:-1]], ends, strict=True)):
+        raise ValueError(f"offs must be non-decreasing and start at 0 or more, got {ends}")
+    if ends[-1] != x.shape[0]:
+        raise ValueError(f"offs[-1] must equal the number of rows of x ({x.shape[0]}), got {ends[-1]}")
+    return _GroupedMM.apply(x, w, offs.contiguous())
