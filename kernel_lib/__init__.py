@@ -16,6 +16,7 @@ from .cross_entropy import cross_entropy, cross_entropy_ref
 from .grouped_mm import grouped_mm, grouped_mm_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
 from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
+from .moe import MoE, moe, moe_ref
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
 from .rope import rope, rope_cos_sin, rope_ref
 from .softmax import softmax, softmax_ref
@@ -35,6 +36,9 @@ __all__ = [
     "grouped_mm_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
+    "moe",
+    "moe_ref",
+    "MoE",
     "rms_norm",
     "rms_norm_ref",
     "RMSNorm",
