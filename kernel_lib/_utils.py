@@ -8,8 +8,8 @@ Three things decide how a call runs:
 * CPU tensors without the interpreter fall back to the plain PyTorch reference, and say so once.
 
 Kernel configs are pruned by the shared memory of the device they launch on, so a config tuned on an
-H100 (228 KB per SM) never reaches an RTX 4090 (100 KB) or an A10G; under the interpreter a single
-config is used, because the interpreter cannot autotune over several.
+H100 (up to 227 KB per block, NVIDIA's Hopper tuning guide) never reaches an RTX 4090 (99 KB, Ada tuning
+guide); under the interpreter a single config is used, because the interpreter cannot autotune over several.
 
 This file depends on torch alone (triton is imported lazily), so it can be copied with any kernel file.
 """

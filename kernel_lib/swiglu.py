@@ -217,8 +217,9 @@ _gated_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd for eager mode: the same launchers without the custom op's Python dispatch, which costs several
-# hundred microseconds per forward + backward, more than the kernels themselves at model sizes
+# Autograd for eager mode: the same launchers without the custom op's Python dispatch, which cost about 0.24 ms
+# per forward + backward when measured on the CPU, comparable to the kernels at model sizes (on an H200,
+# swiglu forward + backward went from 0.62x to 1.00x torch.compile with this; benchmarks/NOTES.md)
 # --------------------------------------------------------------------------------------------------
 class _GatedActivation(torch.autograd.Function):
     @staticmethod
