@@ -145,9 +145,13 @@ def _forward(logits, target, ignore_index, smoothing):
     return loss, lse
 
 
-def _backward(dloss, logits, target, lse, ignore_index, smoothing):
+def _backward(dloss, logits, target, lse, ignore_index, smoothing, out=None):
+    """The gradient of each row's loss, into ``out`` when given (it may be ``logits`` itself: each program reads
+    a block of its row before it writes the same block, so the gradient can overwrite the logits)."""
     T, V = logits.shape
-    dlogits = torch.empty((T, V), device=logits.device, dtype=logits.dtype)
+    if out is not None and not (out.is_contiguous() and out.shape == logits.shape and out.dtype == logits.dtype):
+        raise ValueError("out must be a contiguous tensor of the logits' shape and dtype")
+    dlogits = out if out is not None else torch.empty((T, V), device=logits.device, dtype=logits.dtype)
     if T == 0:
         return dlogits
     dloss = dloss.to(torch.float32).contiguous()
