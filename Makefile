@@ -25,7 +25,7 @@ PIP_INSTALL = $(PYTHON) -m pip install $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) $(
 # them whatever of the Jupyter packages its Python lacks (pip keeps what is already installed).
 PY ?= 3.12
 WHEELHOUSE ?=
-JUPYTER_PACKAGES := nbval nbclient nbformat ipykernel ipywidgets
+JUPYTER_PACKAGES := nbval nbclient nbformat ipykernel ipywidgets tqdm
 
 NOTEBOOKS ?= $(sort $(wildcard notebooks/*.ipynb))
 SANITIZE := tests/nbval_sanitize.cfg

@@ -122,14 +122,21 @@ def _layer_norm_bwd_kernel(
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    row_start = pid.to(tl.int64) * rows_per_program  # int64: row * stride overflows int32 past 2**31 elements
-    for i in range(0, rows_per_program):
-        row = row_start + i
-        row_mask = mask & (row < n_rows)  # the last program's share may run past the end
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=row_mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=row_mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + row, mask=row < n_rows, other=0.0)
-        rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+    row = pid.to(tl.int64) * rows_per_program  # int64: row * stride overflows int32 past 2**31 elements
+    row_end = tl.minimum(row + rows_per_program, n_rows)  # the last program's share may run past the end
+    # The next row's loads are issued before this row's reductions (software pipelining by hand; measured on an
+    # H200, D = 4096: 0.261 ms against 0.337 ms without; NOTES.md).
+    x_next = tl.load(x_ptr + row * x_row_stride + cols, mask=mask & (row < row_end), other=0.0)
+    dy_next = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask & (row < row_end), other=0.0)
+    for _ in range(0, rows_per_program):
+        x = x_next.to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        nxt = row + 1
+        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < row_end), other=0.0)
+        dy_next = tl.load(dy_ptr + nxt * dy_row_stride + cols, mask=mask & (nxt < row_end), other=0.0)
+        row_mask = mask & (row < row_end)
+        mean = tl.load(mean_ptr + row, mask=row < row_end, other=0.0)
+        rstd = tl.load(rstd_ptr + row, mask=row < row_end, other=0.0)
         xhat = tl.where(row_mask, (x - mean) * rstd, 0.0)
         g = dy * w if HAS_WEIGHT else dy
         dx = (g - tl.sum(g, axis=0) * inv_D - xhat * (tl.sum(g * xhat, axis=0) * inv_D)) * rstd
@@ -138,6 +145,7 @@ def _layer_norm_bwd_kernel(
             dw_acc += dy * xhat
         if HAS_BIAS:
             db_acc += dy
+        row = nxt
     if HAS_WEIGHT:
         tl.store(dw_partial_ptr + pid * D + cols, dw_acc, mask=mask)
     if HAS_BIAS:

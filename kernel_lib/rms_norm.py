@@ -102,19 +102,26 @@ def _rms_norm_bwd_kernel(
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    row_start = pid.to(tl.int64) * rows_per_program  # int64: row * stride overflows int32 past 2**31 elements
-    for i in range(0, rows_per_program):
-        row = row_start + i
-        row_mask = mask & (row < n_rows)  # the last program's share may run past the end
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=row_mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=row_mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+    row = pid.to(tl.int64) * rows_per_program  # int64: row * stride overflows int32 past 2**31 elements
+    row_end = tl.minimum(row + rows_per_program, n_rows)  # the last program's share may run past the end
+    # Software pipelining by hand: the next row's loads are issued before this row's reduction, so they are in
+    # flight while it waits (measured on an H200, D = 4096: 0.231 ms against 0.262 ms without; NOTES.md).
+    x_next = tl.load(x_ptr + row * x_row_stride + cols, mask=mask & (row < row_end), other=0.0)
+    dy_next = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask & (row < row_end), other=0.0)
+    for _ in range(0, rows_per_program):
+        x = x_next.to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        nxt = row + 1
+        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < row_end), other=0.0)
+        dy_next = tl.load(dy_ptr + nxt * dy_row_stride + cols, mask=mask & (nxt < row_end), other=0.0)
+        rstd = tl.load(rstd_ptr + row, mask=row < row_end, other=0.0)
         xhat = x * rstd
         g = dy * w if HAS_WEIGHT else dy
         dx = (g - xhat * (tl.sum(g * xhat, axis=0) / D)) * rstd
-        tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask & (row < row_end))
         if HAS_WEIGHT:
             dw_acc += dy * xhat
+        row = nxt
     if HAS_WEIGHT:
         tl.store(dw_partial_ptr + pid * D + cols, dw_acc, mask=mask)
 
