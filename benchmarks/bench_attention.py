@@ -43,6 +43,12 @@ def sdpa_with(backend):
 def flex_attention_runner():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # One compiled function serves every shape, mask and requires_grad setting of the sweep: more recompilations
+    # than Dynamo's default limit of 8, after which it silently runs the unfused eager flex_attention (measured:
+    # 2 TFLOP/s for the sliding window, the last case). Raise the limit (named cache_size_limit before torch 2.6).
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
     compiled = torch.compile(flex_attention, dynamic=False)
     masks = {}
 

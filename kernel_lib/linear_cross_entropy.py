@@ -100,7 +100,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss, _, _ = _fused_pass(h, weight, target, ignore_index, None)
             ctx.save_for_backward(h, weight, target)
         else:
-            loss, dh, dweight = _fused_pass(h, weight, target, ignore_index, _row_weights(target, ignore_index, reduction))
+            loss, dh, dweight = _fused_pass(
+                h, weight, target, ignore_index, _row_weights(target, ignore_index, reduction)
+            )
             ctx.save_for_backward(dh, dweight)
         if reduction == "none":
             return loss
