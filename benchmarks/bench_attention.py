@@ -139,13 +139,9 @@ def main() -> int:
             torch.randn(1, 16, N, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
         )
         for name, fn in (("kernel_lib", flash_attention), ("eager reference", attention_ref)):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
-            fn(q, k, v, True).float().sum().backward()
-            torch.cuda.synchronize()
+            peak = bench.peak_memory_bytes(lambda fn=fn, qkv=(q, k, v): fn(*qkv, True).float().sum().backward())
             rows.append({"name": "attention peak memory", "impl": name, "N": N, "D": 128, "causal": True,
-                         "peak_mib": (torch.cuda.max_memory_allocated() - start) / 2**20})  # fmt: skip
+                         "peak_mib": peak / 2**20})  # fmt: skip
             q.grad = k.grad = v.grad = None
     frame = bench.to_frame(rows)
     print(frame.to_string(index=False, float_format=lambda value: f"{value:,.2f}"))

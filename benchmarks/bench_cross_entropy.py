@@ -31,15 +31,6 @@ def _materialized_lce(h, weight, target):
     return F.cross_entropy((h @ weight.T).float(), target)
 
 
-def _peak_bytes(fn) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def bench_cross_entropy(T, vocabularies, rows_out):
     impls = {"kernel_lib": cross_entropy, "F.cross_entropy(float)": _upcast_ce}
     for V in vocabularies:
@@ -83,7 +74,7 @@ def bench_linear_cross_entropy(T, d, V, rows_out):
             return torch.autograd.grad(fn(h_leaf, w_leaf, target), (h_leaf, w_leaf))
 
         timing = bench.time_fn(step, rep_ms=300)
-        peak = _peak_bytes(step)
+        peak = bench.peak_memory_bytes(step)
         row = bench.result_row("linear_cross_entropy", timing, flops=6 * T * V * d, impl=impl, T=T, d=d, V=V)
         rows_out.append({**row, "pass": "forward+backward", "peak_gib": peak / 2**30, "correct": ok})
         print(f"linear_cross_entropy {impl}: {timing.median_ms:.2f} ms, peak {peak / 2**30:.2f} GiB", flush=True)

@@ -101,15 +101,6 @@ def _routing(skew) -> str:
     return "skewed" if skew else "uniform"
 
 
-def _peak_bytes(fn) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def skew_router(layer, x, n_hot, strength):
     """Tilt the router toward ``n_hot`` experts: add a shared direction to their rows and to every token."""
     direction = torch.randn(x.shape[-1], device=x.device)
@@ -152,7 +143,7 @@ def bench_layer(name, T, d, d_ff, E, top_k, rows_out, generator, reps_ms):
                 return torch.autograd.grad(y.float().square().mean() + aux, inputs)
 
             timing = bench.time_fn(step, rep_ms=reps_ms)
-            peak = _peak_bytes(step)
+            peak = bench.peak_memory_bytes(step)
             row = bench.result_row("moe_layer", timing, flops=flops, impl=impl, shape=name, routing=_routing(skew))
             extra = {"pass": "forward+backward", "peak_gib": peak / 2**30, "imbalance": imbalance(counts)}
             rows_out.append({**row, **extra, "correct": ok})

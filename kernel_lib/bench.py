@@ -254,6 +254,23 @@ def copy_bandwidth(nbytes: int | None = None, device: str | None = None, **timin
     return gbps(2 * n * 4, timing.median_ms)
 
 
+def peak_memory_bytes(fn: Callable[[], object], device: str | torch.device | None = None) -> int:
+    """Peak CUDA memory ``fn()`` allocates above what was allocated when it started, in bytes.
+
+    What a step costs in memory beyond its inputs: activations, temporaries, gradients. CUDA only (the CPU
+    allocator keeps no such statistics).
+    """
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda":
+        raise ValueError(f"peak_memory_bytes measures CUDA memory; got device {device}")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
 def matmul_tflops(
     dtype: torch.dtype = torch.bfloat16, n: int | None = None, device: str | None = None, **timing_kwargs
 ) -> float:

@@ -112,6 +112,19 @@ def test_gpu_timing_and_ceilings():
     assert bench.l2_cache_bytes() > 0
 
 
+def test_peak_memory_refuses_the_cpu():
+    with pytest.raises(ValueError, match="CUDA"):
+        bench.peak_memory_bytes(lambda: None, device="cpu")
+
+
+@pytest.mark.gpu
+def test_peak_memory_counts_a_temporary():
+    x = torch.empty(2**20, device="cuda")  # 4 MiB already allocated: not counted
+    peak = bench.peak_memory_bytes(lambda: torch.empty(2**22, device="cuda").add_(1.0))  # a 16 MiB temporary
+    assert 2**24 <= peak < 2**24 + 2**21
+    del x
+
+
 @pytest.mark.gpu
 def test_repeat_in_graph_replays_every_call():
     x = torch.zeros(1024, device="cuda")
