@@ -222,47 +222,15 @@ def _ce_fwd_lanes(
     tl.store(lse_ptr + row, lse)
 
 
-@triton.jit
-def _ce_fwd_no_prefetch(
-    logits_ptr, target_ptr, loss_ptr, lse_ptr, logits_row_stride, V, ignore_index, BLOCK_V: tl.constexpr,
-):  # fmt: skip
-    # kernel_lib's forward before the next block's load was moved ahead of the reductions
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * logits_row_stride
-    target = tl.load(target_ptr + row)
-    cols = tl.arange(0, BLOCK_V)
-    m = -float("inf")
-    s = 0.0
-    for start in range(0, V, BLOCK_V):
-        x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        m = m_new
-    lse = m + tl.log(s)
-    in_range = (target >= 0) & (target < V)
-    x_t = tl.load(row_ptr + tl.where(in_range, target, 0)).to(tl.float32)
-    loss = tl.where(in_range, lse - x_t, float("nan"))
-    tl.store(loss_ptr + row, tl.where(target == ignore_index, 0.0, loss))
-    tl.store(lse_ptr + row, lse)
-
-
 def ce_forward_variant(name, logits, target):
     T, V = logits.shape
     loss = torch.empty(T, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(loss)
     block_v, warps = {"lanes4096w8": (4096, 8), "lanes8192w16": (8192, 16), "lanes2048w4": (2048, 4)}.get(name, (0, 0))
-    if name == "no_prefetch2048w4":
-        _ce_fwd_no_prefetch[(T,)](logits, target, loss, lse, logits.stride(0), V, -100, 2048, num_warps=4)
-    elif block_v:
+    if block_v:
         _ce_fwd_lanes[(T,)](logits, target, loss, lse, logits.stride(0), V, -100, block_v, num_warps=warps)
     else:
-        block_v, warps = {
-            "shipped2048w4": (2048, 4),
-            "shipped4096w8": (4096, 8),
-            "shipped1024w4": (1024, 4),
-            "shipped4096w4": (4096, 4),
-        }[name]
+        block_v, warps = {"shipped": (4096, 8), "shipped8192w16": (8192, 16), "shipped2048w4": (2048, 4)}[name]
         ce_mod._ce_fwd_kernel[(T,)](
             logits, target, loss, lse, logits.stride(0), V, -100, 0.0, HAS_SMOOTHING=False, BLOCK_V=block_v,
             num_warps=warps,
@@ -277,7 +245,7 @@ def explore_cross_entropy(record, T=8192, V=128256):
     compiled = torch.compile(lambda x, t: torch.nn.functional.cross_entropy(x.float(), t))
     nbytes = logits.numel() * logits.element_size()
     compiled_ms = record(f"ce fwd V={V}", "compiled F.cross_entropy", lambda: compiled(logits, target), 1, nbytes)
-    variants = ("shipped2048w4", "no_prefetch2048w4", "shipped4096w8", "shipped1024w4", "shipped4096w4")
+    variants = ("shipped", "shipped8192w16", "shipped2048w4", "lanes4096w8", "lanes8192w16", "lanes2048w4")
     for variant in variants:
         try:
             loss, lse = ce_forward_variant(variant, logits, target)
