@@ -29,8 +29,13 @@ def test_time_fn_on_cpu_measures_a_known_duration():
 
 def test_time_fn_orders_work_by_size():
     small, large = torch.randn(64, 64), torch.randn(512, 512)
-    t_small = bench.time_fn(lambda: small @ small, warmup_ms=5, rep_ms=50, device="cpu")
-    t_large = bench.time_fn(lambda: large @ large, warmup_ms=5, rep_ms=50, device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a thread pool contended by other processes stalls for milliseconds, even on 64x64
+    try:
+        t_small = bench.time_fn(lambda: small @ small, warmup_ms=5, rep_ms=50, device="cpu")
+        t_large = bench.time_fn(lambda: large @ large, warmup_ms=5, rep_ms=50, device="cpu")
+    finally:
+        torch.set_num_threads(threads)
     assert t_large.median_ms > 10 * t_small.median_ms  # 512x the FLOPs
 
 
