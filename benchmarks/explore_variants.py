@@ -5,11 +5,12 @@ Not a benchmark of the library: an experiment log. Each variant is checked again
 reference. What was learned is written up in benchmarks/NOTES.md. bf16, rows x D = 2^27 elements.
 
 The prefetching backward kernels and the cross-entropy forward settings were adopted into kernel_lib after the
-run recorded in NOTES.md, so a rerun now finds "shipped" and "prefetch" to be the same code.
+run recorded in NOTES.md: "shipped" is now the prefetching kernel, and the version without the prefetch, the
+baseline of that run, is in git history (commit 6b0a795's kernel_lib/rms_norm.py and layer_norm.py).
 
 Variants of the backward (one persistent program per few rows keeps a float32 dweight partial in registers):
-  shipped        one row per loop step, 4 programs per SM
-  prefetch       loads of row i + 1 issued before row i's reductions (double-buffered in registers)
+  shipped        kernel_lib's kernel: one row per loop step, the next row's loads issued before this row's
+                 reductions (double-buffered in registers), 4 programs per SM
   stages2/3      ``tl.range(..., num_stages=s)``: Triton's software pipeliner instead of the manual prefetch
   persm2/8       2 or 8 programs per SM, warps adjusted
   split          dx by a row-parallel kernel (many rows per program, no loop) and dweight by a column-blocked
@@ -41,36 +42,6 @@ from kernel_lib._utils import sm_count  # noqa: E402
 rms_mod = importlib.import_module("kernel_lib.rms_norm")
 ln_mod = importlib.import_module("kernel_lib.layer_norm")
 ce_mod = importlib.import_module("kernel_lib.cross_entropy")
-
-
-@triton.jit
-def _rms_bwd_prefetch(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, dy_row_stride, x_row_stride, n_rows, D,
-    rows_per_program, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    row = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row + rows_per_program, n_rows)
-    x_next = tl.load(x_ptr + row * x_row_stride + cols, mask=mask & (row < row_end), other=0.0)
-    dy_next = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask & (row < row_end), other=0.0)
-    for _ in range(0, rows_per_program):
-        x = x_next.to(tl.float32)
-        dy = dy_next.to(tl.float32)
-        nxt = row + 1
-        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < row_end), other=0.0)
-        dy_next = tl.load(dy_ptr + nxt * dy_row_stride + cols, mask=mask & (nxt < row_end), other=0.0)
-        rstd = tl.load(rstd_ptr + row, mask=row < row_end, other=0.0)
-        xhat = x * rstd
-        g = dy * w
-        dx = (g - xhat * (tl.sum(g * xhat, axis=0) / D)) * rstd
-        tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask & (row < row_end))
-        dw_acc += dy * xhat
-        row = nxt
-    tl.store(dw_partial_ptr + pid * D + cols, dw_acc, mask=mask)
 
 
 @triton.jit
@@ -159,41 +130,6 @@ def _ln_fwd_shifted(
     tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(mean_ptr + rows, mean, mask=row_mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-
-
-@triton.jit
-def _ln_bwd_prefetch(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, n_rows, D, inv_D,
-    rows_per_program, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    row = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row + rows_per_program, n_rows)
-    x_next = tl.load(x_ptr + row * D + cols, mask=mask & (row < row_end), other=0.0)
-    dy_next = tl.load(dy_ptr + row * D + cols, mask=mask & (row < row_end), other=0.0)
-    for _ in range(0, rows_per_program):
-        x = x_next.to(tl.float32)
-        dy = dy_next.to(tl.float32)
-        nxt = row + 1
-        x_next = tl.load(x_ptr + nxt * D + cols, mask=mask & (nxt < row_end), other=0.0)
-        dy_next = tl.load(dy_ptr + nxt * D + cols, mask=mask & (nxt < row_end), other=0.0)
-        valid = mask & (row < row_end)
-        mean = tl.load(mean_ptr + row, mask=row < row_end, other=0.0)
-        rstd = tl.load(rstd_ptr + row, mask=row < row_end, other=0.0)
-        xhat = tl.where(valid, (x - mean) * rstd, 0.0)
-        g = dy * w
-        dx = (g - tl.sum(g, axis=0) * inv_D - xhat * (tl.sum(g * xhat, axis=0) * inv_D)) * rstd
-        tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=valid)
-        dw_acc += dy * xhat
-        db_acc += dy
-        row = nxt
-    tl.store(dw_partial_ptr + pid * D + cols, dw_acc, mask=mask)
-    tl.store(db_partial_ptr + pid * D + cols, db_acc, mask=mask)
 
 
 @triton.jit
@@ -286,9 +222,7 @@ def rms_backward_variant(name, dy, x, w, rstd):
     programs = triton.cdiv(n_rows, rows_per_program)
     partial = torch.empty((programs, D), device=x.device, dtype=torch.float32)
     common = (dy, x, w, rstd, dx, partial, dy.stride(0), x.stride(0), n_rows, D, rows_per_program, block_d)
-    if name == "prefetch":
-        _rms_bwd_prefetch[(programs,)](*common, num_warps=warps)
-    elif name.startswith("stages"):
+    if name.startswith("stages"):
         _rms_bwd_staged[(programs,)](*common, int(name[6:]), num_warps=warps)
     else:
         rms_mod._rms_norm_bwd_kernel[(programs,)](*common[:-1], HAS_WEIGHT=True, BLOCK_D=block_d, num_warps=warps)
@@ -317,7 +251,8 @@ def ln_forward_variant(name, x, w, b, eps=1e-5):
     return y, mean, rstd
 
 
-def ln_backward_prefetch(dy, x, w, mean, rstd, per_sm=4, warps=8):
+def ln_backward_with(dy, x, w, mean, rstd, per_sm=4, warps=8):
+    """kernel_lib's LayerNorm backward kernel with another number of programs per SM and of warps."""
     n_rows, D = x.shape
     block_d = triton.next_power_of_2(D)
     dx = torch.empty_like(x)
@@ -326,9 +261,10 @@ def ln_backward_prefetch(dy, x, w, mean, rstd, per_sm=4, warps=8):
     programs = triton.cdiv(n_rows, rows_per_program)
     dw = torch.empty((programs, D), device=x.device, dtype=torch.float32)
     db = torch.empty_like(dw)
-    _ln_bwd_prefetch[(programs,)](
-        dy, x, w, mean, rstd, dx, dw, db, n_rows, D, 1.0 / D, rows_per_program, block_d, num_warps=warps
-    )
+    ln_mod._layer_norm_bwd_kernel[(programs,)](
+        dy, x, w, mean, rstd, dx, dw, db, dy.stride(0), x.stride(0), n_rows, D, 1.0 / D, rows_per_program,
+        HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_D=block_d, num_warps=warps,
+    )  # fmt: skip
     return dx, dw.sum(0).to(w.dtype), db.sum(0).to(w.dtype)
 
 
@@ -355,7 +291,7 @@ def explore_width(D, n_rows, record):
     )
     fwd_ms = record(f"rms fwd D={D}", "shipped", lambda: rms_mod._forward(x, w, 1e-6), 2, nbytes)
     del out
-    for variant in ("shipped", "prefetch", "stages2", "stages3", "persm2", "persm8", "split"):
+    for variant in ("shipped", "stages2", "stages3", "persm2", "persm8", "split"):
         try:
             dx, dw = rms_backward_variant(variant, dy, x, w, rstd)
             torch.testing.assert_close(dx, want_dx, atol=2e-2, rtol=2e-2)
@@ -397,19 +333,19 @@ def explore_width(D, n_rows, record):
     record(f"ln bwd D={D}", "shipped", lambda: ln_mod._backward(dy, x, w, b, mean, rstd_ln), 3, nbytes)
     for per_sm, warps in ((4, 8), (8, 4), (2, 16)):
         try:
-            got = ln_backward_prefetch(dy, x, w, mean, rstd_ln, per_sm, warps)
+            got = ln_backward_with(dy, x, w, mean, rstd_ln, per_sm, warps)
             torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(got[1].float(), want[1].float(), atol=0.5, rtol=2e-2)
             torch.testing.assert_close(got[2].float(), want[2].float(), atol=0.5, rtol=2e-2)
         except Exception as error:
             print(
-                f"ln bwd prefetch {per_sm}/{warps}: FAILED {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                f"ln bwd {per_sm}/SM {warps} warps: FAILED {type(error).__name__}: {str(error).splitlines()[0][:120]}"
             )
             continue
         record(
             f"ln bwd D={D}",
-            f"prefetch persm{per_sm} w{warps}",
-            lambda p=per_sm, nw=warps: ln_backward_prefetch(dy, x, w, mean, rstd_ln, p, nw),
+            f"shipped, persm{per_sm} w{warps}",
+            lambda p=per_sm, nw=warps: ln_backward_with(dy, x, w, mean, rstd_ln, p, nw),
             3,
             nbytes,
         )
