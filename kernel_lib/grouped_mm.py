@@ -8,7 +8,8 @@ takes them; group e owns rows offs[e-1]:offs[e], and a group may be empty)::
 This is the expert computation of a Mixture-of-Experts layer once tokens are sorted by expert. A per-expert
 Python loop launches E matmuls, most of them small; here one launch covers every (group, row tile, column tile).
 The grid is sized without reading offs on the host (no synchronization): at most cdiv(T, BLOCK_M) + E row tiles
-exist, each program finds its group by scanning offs, and programs past the last tile do nothing. Backward:
+exist, each program finds its group by scanning offs, and programs past the last tile skip their loop. Tiles
+run in bands of a few row tiles (``_tile_of``) so that the programs in flight share operands in L2. Backward:
 dx = grouped dy @ w[e].T (the same kernel on a transposed view of w) and dw[e] = x_e.T @ dy_e (a second kernel,
 one program per (group, K tile, N tile) looping over the group's rows; an empty group gets zeros).
 
@@ -20,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_same_device, check_same_dtype, check_tensor, configs_for_autotune, use_triton
+from ._utils import (
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    configs_for_autotune,
+    prune_by_shared_memory,
+    use_triton,
+)
 
 __all__ = ["grouped_mm", "grouped_mm_ref"]
 
@@ -39,9 +47,21 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
 _CONFIGS = [
     triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=2),  # first: interpreted
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
 ]
+BAND = 8  # row tiles that share one sweep over the column tiles (see _tile_of)
+
+
+def _smem_bytes(config, args) -> int:
+    """Shared memory of one program: a (BLOCK_M, BLOCK_K) and a (BLOCK_K, BLOCK_N) tile per pipeline stage."""
+    kw = config.kwargs
+    element = args["x_ptr"].element_size() if "x_ptr" in args else 2
+    return config.num_stages * (kw["BLOCK_M"] * kw["BLOCK_K"] + kw["BLOCK_K"] * kw["BLOCK_N"]) * element
+
+
+_PRUNE = {"early_config_prune": prune_by_shared_memory(_smem_bytes)}
 
 
 @triton.jit
@@ -51,7 +71,23 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.autotune(configs=configs_for_autotune(_CONFIGS), key=["K", "N", "E"])
+@triton.jit
+def _tile_of(pid, n_row_tiles, n_col_tiles, BAND: tl.constexpr):
+    """(row tile, column tile) of program ``pid``, in bands of BAND row tiles, rows fastest within a band.
+
+    Programs that run at the same time then share a few row tiles of one operand and a few column tiles of the
+    other, so both stay in L2. With row tiles fastest over the whole grid, every column tile would re-read all
+    of x from HBM (with column tiles fastest, all of w): more traffic than the matmul's own time on an H200.
+    """
+    per_band = BAND * n_col_tiles
+    first_row = (pid // per_band) * BAND
+    rows_in_band = tl.minimum(n_row_tiles - first_row, BAND)
+    row_tile = first_row + (pid % per_band) % rows_in_band
+    col_tile = (pid % per_band) // rows_in_band
+    return row_tile, col_tile
+
+
+@triton.autotune(configs=configs_for_autotune(_CONFIGS), key=["K", "N", "E"], prune_configs_by=_PRUNE)
 @triton.jit
 def _grouped_mm_kernel(
     x_ptr,  # (T, K)
@@ -60,12 +96,14 @@ def _grouped_mm_kernel(
     out_ptr,  # (T, N) contiguous
     sxt, sxk,  # x strides
     swe, swk, swn,  # w strides
-    K, N, E,  # inner size, columns, groups
+    T, K, N, E,  # rows, inner size, columns, groups
     DOT_FP32: tl.constexpr,  # upcast before tl.dot (the interpreter's bf16 dot is wrong)
     IEEE: tl.constexpr,  # float32 inputs: full-precision dot, not TF32
+    BAND: tl.constexpr,  # row tiles per band of the tile order
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
+    # At most cdiv(T, BLOCK_M) + E row tiles exist (each group adds at most one partial tile).
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(T, BLOCK_M) + E, tl.cdiv(N, BLOCK_N), BAND)
     # Find this program's (group, row tile): tiles are numbered group after group.
     group = 0
     row_start = 0
@@ -82,13 +120,14 @@ def _grouped_mm_kernel(
         tiles_before += n_tiles
         prev_end = end
     rows = row_start + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < row_end
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * sxt
     w_group = w_ptr + group.to(tl.int64) * swe
+    k_stop = tl.where(row_start < row_end, K, 0)  # a program past the last tile skips the loop
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k_stop, BLOCK_K):
         k_ok = k0 + ks < K
         a = tl.load(x_rows + (k0 + ks)[None, :] * sxk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(
@@ -104,7 +143,7 @@ def _grouped_mm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
 
 
-@triton.autotune(configs=configs_for_autotune(_CONFIGS), key=["K", "N", "E"])
+@triton.autotune(configs=configs_for_autotune(_CONFIGS), key=["K", "N", "E"], prune_configs_by=_PRUNE)
 @triton.jit
 def _grouped_dw_kernel(
     x_ptr,  # (T, K)
@@ -114,12 +153,16 @@ def _grouped_dw_kernel(
     sxt, sxk,  # x strides
     K, N, E,  # inner size, columns, groups
     DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+    BAND: tl.constexpr,  # K tiles per band of the tile order
     BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    e = tl.program_id(0)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Group-major order: the programs running together work on one group, whose rows of x and dy they share in L2.
+    tiles_per_group = tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
+    e = tl.program_id(0) // tiles_per_group
+    pid_k, pid_n = _tile_of(tl.program_id(0) % tiles_per_group, tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N), BAND)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     start = tl.where(e > 0, tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0)
     end = tl.load(offs_ptr + e)
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
@@ -157,10 +200,10 @@ def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tens
         return out.copy_(grouped_mm_ref(x, w, offs))
     flags = dict(DOT_FP32=x.device.type == "cpu", IEEE=x.dtype == torch.float32)
 
-    def grid(meta):
-        return (triton.cdiv(T, meta["BLOCK_M"]) + E, triton.cdiv(N, meta["BLOCK_N"]))
+    def grid(meta):  # one program per (row tile, column tile); tiles past the last group's end return at once
+        return ((triton.cdiv(T, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _grouped_mm_kernel[grid](x, w, offs, out, *x.stride(), *w.stride(), K, N, E, **flags)
+    _grouped_mm_kernel[grid](x, w, offs, out, *x.stride(), *w.stride(), T, K, N, E, BAND=BAND, **flags)
     return out
 
 
@@ -176,10 +219,10 @@ def _grad_weight(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, E: int) 
         return dw
     flags = dict(DOT_FP32=x.device.type == "cpu", IEEE=x.dtype == torch.float32)
 
-    def grid(meta):
-        return (E, triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(N, meta["BLOCK_N"]))
+    def grid(meta):  # one program per (group, K tile, N tile)
+        return (E * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _grouped_dw_kernel[grid](x, dy.contiguous(), offs, dw, *x.stride(), K, N, E, **flags)
+    _grouped_dw_kernel[grid](x, dy.contiguous(), offs, dw, *x.stride(), K, N, E, BAND=BAND, **flags)
     return dw
 
 
