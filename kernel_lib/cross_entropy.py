@@ -9,8 +9,11 @@ and its gradient, scaled by the upstream gradient of that row::
 
     dx_i = (softmax_i - (1 - eps) * [i == t] - eps / V) * dloss_row
 
-The forward reads the logits once and writes two floats per row (loss, lse); the backward reads the logits once
-more and writes the gradient once, in the logits' dtype. ``F.cross_entropy(logits.float(), t)`` instead writes a
+The forward reads the logits once and writes three floats per row: the loss, and for the backward the row's
+maximum m and log(sum_i exp(x_i - m)), kept apart rather than summed into lse because at large magnitudes lse's
+rounding (half an ulp of |lse|: 1.2e-4 at 3000) would become the gradient's relative error (measured: 2 of 40
+float32 test draws of 1000-scale logits failed the 2x rule that way). The backward reads the logits once more
+and writes the gradient once, in the logits' dtype. ``F.cross_entropy(logits.float(), t)`` instead writes a
 float32 copy of the logits and its log-softmax. Rows whose target is ``ignore_index`` get loss 0 and gradient 0;
 a target outside [0, V) gives a NaN loss for its row (no host synchronization is spent checking targets).
 The reduction (mean over the rows that are not ignored, sum, or none) is plain PyTorch on the (T,) row losses,
@@ -57,7 +60,7 @@ def _ce_fwd_kernel(
     logits_ptr,  # (T, V), unit stride along V
     target_ptr,  # (T,) int64
     loss_ptr,  # output (T,) float32: each row's loss
-    lse_ptr,  # output (T,) float32: each row's log-sum-exp, saved for backward
+    stats_ptr,  # output (T, 2) float32: each row's max m and log(sum exp(x - m)), saved for backward
     logits_row_stride,  # elements between rows of logits
     V,  # vocabulary size
     ignore_index,  # target value whose row is skipped
@@ -72,9 +75,13 @@ def _ce_fwd_kernel(
     m = -float("inf")  # running maximum
     s = 0.0  # running sum of exp(x - m)
     total = 0.0  # running sum of x (label smoothing)
+    # The next block's load is issued before this block's reductions, so it is in flight while they wait (the
+    # norms' backward kernels gained 12 to 23% from the same change; benchmarks/NOTES.md).
+    x_next = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf"))
     for start in range(0, V, BLOCK_V):
         mask = start + cols < V
-        x = tl.load(row_ptr + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        x = x_next.to(tl.float32)
+        x_next = tl.load(row_ptr + start + BLOCK_V + cols, mask=start + BLOCK_V + cols < V, other=-float("inf"))
         m_new = tl.maximum(m, tl.max(x, axis=0))
         # Padding and -inf logits add exp(-inf) = 0; while the row has seen only -inf, shift by 0 instead of
         # m_new = -inf, which would give exp(-inf - -inf) = NaN. A scalar choice: no per-element test.
@@ -83,23 +90,24 @@ def _ce_fwd_kernel(
         m = m_new
         if HAS_SMOOTHING:
             total += tl.sum(tl.where(mask, x, 0.0), axis=0)
-    lse = m + tl.log(s)
+    log_s = tl.log(s)
     ignored = target == ignore_index
     in_range = (target >= 0) & (target < V)
     x_t = tl.load(row_ptr + tl.where(in_range, target, 0)).to(tl.float32)
-    loss = lse - (1.0 - smoothing) * x_t
+    loss = m - (1.0 - smoothing) * x_t  # lse - x_t, without rounding lse = m + log_s first
     if HAS_SMOOTHING:
         loss -= smoothing / V * total
-    loss = tl.where(in_range, loss, float("nan"))
+    loss = tl.where(in_range, loss + log_s, float("nan"))
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
-    tl.store(lse_ptr + row, lse)
+    tl.store(stats_ptr + 2 * row, m)
+    tl.store(stats_ptr + 2 * row + 1, log_s)
 
 
 @triton.jit
 def _ce_bwd_kernel(
     logits_ptr,  # (T, V), unit stride along V
     target_ptr,  # (T,) int64
-    lse_ptr,  # (T,) float32 from the forward
+    stats_ptr,  # (T, 2) float32 from the forward: row max m, log(sum exp(x - m))
     dloss_ptr,  # (T,) float32: upstream gradient of each row's loss
     dlogits_ptr,  # output (T, V) contiguous, logits' dtype
     logits_row_stride,  # elements between rows of logits
@@ -112,13 +120,14 @@ def _ce_bwd_kernel(
     row_ptr = logits_ptr + row * logits_row_stride
     out_ptr = dlogits_ptr + row * V
     target = tl.load(target_ptr + row)
-    lse = tl.load(lse_ptr + row)
+    m = tl.load(stats_ptr + 2 * row)
+    log_s = tl.load(stats_ptr + 2 * row + 1)
     scale = tl.where(target == ignore_index, 0.0, tl.load(dloss_ptr + row))
     cols = tl.arange(0, BLOCK_V)
     for start in range(0, V, BLOCK_V):
         mask = start + cols < V
         x = tl.load(row_ptr + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        grad = tl.exp(x - lse) - smoothing / V - (1.0 - smoothing) * ((start + cols) == target).to(tl.float32)
+        grad = tl.exp((x - m) - log_s) - smoothing / V - (1.0 - smoothing) * ((start + cols) == target).to(tl.float32)
         grad = tl.where(scale == 0.0, 0.0, grad * scale)  # ignored rows: exactly 0, even when dloss is inf or NaN
         tl.store(out_ptr + start + cols, grad.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
@@ -129,24 +138,25 @@ def _ce_bwd_kernel(
 def _forward(logits, target, ignore_index, smoothing):
     T, V = logits.shape
     loss = torch.empty(T, device=logits.device, dtype=torch.float32)
-    lse = torch.empty(T, device=logits.device, dtype=torch.float32)
+    stats = torch.empty((T, 2), device=logits.device, dtype=torch.float32)  # row max, log sum exp(x - max)
     if T == 0:
-        return loss, lse
+        return loss, stats
     if not use_triton(logits, op="cross_entropy"):
         xf = logits.float()
-        lse.copy_(torch.logsumexp(xf, dim=-1))
+        stats[:, 0] = xf.amax(dim=-1)
+        stats[:, 1] = torch.logsumexp(xf - stats[:, :1], dim=-1)
         loss.copy_(cross_entropy_ref(logits, target, ignore_index, "none", smoothing))
-        return loss, lse
+        return loss, stats
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     _ce_fwd_kernel[(T,)](
-        logits, target, loss, lse, logits.stride(0), V, ignore_index, smoothing,
+        logits, target, loss, stats, logits.stride(0), V, ignore_index, smoothing,
         HAS_SMOOTHING=smoothing > 0, BLOCK_V=FWD_BLOCK_V, num_warps=FWD_WARPS,
     )  # fmt: skip
-    return loss, lse
+    return loss, stats
 
 
-def _backward(dloss, logits, target, lse, ignore_index, smoothing, out=None):
+def _backward(dloss, logits, target, stats, ignore_index, smoothing, out=None):
     """The gradient of each row's loss, into ``out`` when given (it may be ``logits`` itself: each program reads
     a block of its row before it writes the same block, so the gradient can overwrite the logits)."""
     T, V = logits.shape
@@ -157,7 +167,7 @@ def _backward(dloss, logits, target, lse, ignore_index, smoothing, out=None):
         return dlogits
     dloss = dloss.to(torch.float32).contiguous()
     if not use_triton(logits, op="cross_entropy"):
-        p = torch.exp(logits.float() - lse[:, None])
+        p = torch.exp((logits.float() - stats[:, :1]) - stats[:, 1:])
         p[torch.arange(T, device=logits.device), target.clamp(0, V - 1)] -= 1.0 - smoothing
         scale = torch.where(target == ignore_index, 0.0, dloss)
         grad = torch.where(scale[:, None] == 0, 0.0, (p - smoothing / V) * scale[:, None])
@@ -165,7 +175,7 @@ def _backward(dloss, logits, target, lse, ignore_index, smoothing, out=None):
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     _ce_bwd_kernel[(T,)](
-        logits, target, lse, dloss, dlogits, logits.stride(0), V, ignore_index, smoothing,
+        logits, target, stats, dloss, dlogits, logits.stride(0), V, ignore_index, smoothing,
         BLOCK_V=BLOCK_V, num_warps=8,
     )  # fmt: skip
     return dlogits
@@ -184,7 +194,7 @@ def _ce_fwd_op(
 @_ce_fwd_op.register_fake
 def _(logits, target, ignore_index, smoothing):
     rows = logits.shape[0]
-    return logits.new_empty(rows, dtype=torch.float32), logits.new_empty(rows, dtype=torch.float32)
+    return logits.new_empty(rows, dtype=torch.float32), logits.new_empty((rows, 2), dtype=torch.float32)
 
 
 @torch.library.custom_op("kernel_lib::cross_entropy_bwd", mutates_args=())
@@ -192,15 +202,15 @@ def _ce_bwd_op(
     dloss: torch.Tensor,
     logits: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     ignore_index: int,
     smoothing: float,
 ) -> torch.Tensor:
-    return _backward(dloss, logits, target, lse, ignore_index, smoothing)
+    return _backward(dloss, logits, target, stats, ignore_index, smoothing)
 
 
 @_ce_bwd_op.register_fake
-def _(dloss, logits, target, lse, ignore_index, smoothing):
+def _(dloss, logits, target, stats, ignore_index, smoothing):
     return logits.new_empty(logits.shape)
 
 
@@ -210,9 +220,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(logits, target, output[1])
 
 
-def _backward_rule(ctx, dloss, _dlse):
-    logits, target, lse = ctx.saved_tensors
-    return _ce_bwd_op(dloss, logits, target, lse, ctx.ignore_index, ctx.smoothing), None, None, None
+def _backward_rule(ctx, dloss, _dstats):
+    logits, target, stats = ctx.saved_tensors
+    return _ce_bwd_op(dloss, logits, target, stats, ctx.ignore_index, ctx.smoothing), None, None, None
 
 
 _ce_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -223,15 +233,15 @@ class _CrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index, smoothing):
-        loss, lse = _forward(logits, target, ignore_index, smoothing)
+        loss, stats = _forward(logits, target, ignore_index, smoothing)
         ctx.ignore_index, ctx.smoothing = ignore_index, smoothing
-        ctx.save_for_backward(logits, target, lse)
+        ctx.save_for_backward(logits, target, stats)
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
-        logits, target, lse = ctx.saved_tensors
-        return _backward(dloss, logits, target, lse, ctx.ignore_index, ctx.smoothing), None, None, None
+        logits, target, stats = ctx.saved_tensors
+        return _backward(dloss, logits, target, stats, ctx.ignore_index, ctx.smoothing), None, None, None
 
 
 # --------------------------------------------------------------------------------------------------

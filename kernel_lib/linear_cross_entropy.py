@@ -6,7 +6,7 @@ and ``F.cross_entropy(logits.float())`` adds float32 copies of the same size). H
 chunks of C rows, C chosen so a chunk's logits take about ``CHUNK_BYTES``::
 
     for each chunk c:   logits_c = h_c @ weight.T                       (C, V), cuBLAS
-                        loss_c, lse_c = cross-entropy kernel(logits_c)  (kernel_lib.cross_entropy)
+                        loss_c, stats_c = cross-entropy kernel(logits_c) (kernel_lib.cross_entropy)
                         dlogits_c = its backward kernel, written over logits_c (same buffer)
                         dh_c = dlogits_c @ weight;  dweight += dlogits_c.T @ h_c   (addmm into weight's dtype)
 
@@ -54,10 +54,10 @@ def _ce_forward(logits, target, ignore_index):
     return _ce_forward_launch(logits, target, ignore_index, 0.0)
 
 
-def _ce_backward(dloss, logits, target, lse, ignore_index):
+def _ce_backward(dloss, logits, target, stats, ignore_index):
     if torch.compiler.is_compiling():  # the op is functional: a new gradient tensor
-        return torch.ops.kernel_lib.cross_entropy_bwd(dloss, logits, target, lse, ignore_index, 0.0)
-    return _ce_backward_launch(dloss, logits, target, lse, ignore_index, 0.0, out=logits)  # in place
+        return torch.ops.kernel_lib.cross_entropy_bwd(dloss, logits, target, stats, ignore_index, 0.0)
+    return _ce_backward_launch(dloss, logits, target, stats, ignore_index, 0.0, out=logits)  # in place
 
 
 def _chunk_rows(T: int, V: int, element_bytes: int) -> int:
@@ -75,11 +75,11 @@ def _fused_pass(h, weight, target, ignore_index, dloss_rows, need_loss=True):
     for start in range(0, T, rows):
         h_c, t_c = h[start : start + rows], target[start : start + rows]
         logits = h_c @ weight.T  # (C, V): the only logits alive at any time
-        loss_c, lse_c = _ce_forward(logits, t_c, ignore_index)
+        loss_c, stats_c = _ce_forward(logits, t_c, ignore_index)
         if need_loss:
             loss[start : start + rows] = loss_c
         if dloss_rows is not None:
-            dlogits = _ce_backward(dloss_rows[start : start + rows], logits, t_c, lse_c, ignore_index)
+            dlogits = _ce_backward(dloss_rows[start : start + rows], logits, t_c, stats_c, ignore_index)
             del logits
             torch.mm(dlogits, weight, out=dh[start : start + rows])  # (C, d)
             dweight.addmm_(dlogits.T, h_c)  # float32 inside the matmul, one rounding to weight's dtype per chunk
