@@ -100,25 +100,24 @@ def _grouped_mm_kernel(
     DOT_FP32: tl.constexpr,  # upcast before tl.dot (the interpreter's bf16 dot is wrong)
     IEEE: tl.constexpr,  # float32 inputs: full-precision dot, not TF32
     BAND: tl.constexpr,  # row tiles per band of the tile order
+    BLOCK_E: tl.constexpr,  # power of two >= E: offs is scanned as one vector
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # At most cdiv(T, BLOCK_M) + E row tiles exist (each group adds at most one partial tile).
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(T, BLOCK_M) + E, tl.cdiv(N, BLOCK_N), BAND)
-    # Find this program's (group, row tile): tiles are numbered group after group.
-    group = 0
-    row_start = 0
-    row_end = 0
-    tiles_before = 0
-    prev_end = 0
-    for e in range(0, E):
-        end = tl.load(offs_ptr + e)
-        n_tiles = tl.cdiv(end - prev_end, BLOCK_M)
-        hit = (pid_m >= tiles_before) & (pid_m < tiles_before + n_tiles)
-        group = tl.where(hit, e, group)
-        row_start = tl.where(hit, prev_end + (pid_m - tiles_before) * BLOCK_M, row_start)
-        row_end = tl.where(hit, end, row_end)  # stays 0 past the last tile: every row masked off
-        tiles_before += n_tiles
-        prev_end = end
+    # Find this program's (group, row tile): tiles are numbered group after group. All of offs is read at once and
+    # scanned as a vector; a loop of E dependent scalar loads cost each program about as much as a tile's
+    # matmul at E = 64.
+    es = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + es, mask=es < E, other=0)
+    starts = tl.load(offs_ptr + es - 1, mask=(es > 0) & (es < E), other=0)
+    tiles = tl.where(es < E, tl.cdiv(ends - starts, BLOCK_M), 0)
+    tiles_through = tl.cumsum(tiles, 0)  # row tiles of groups 0..e
+    group = tl.sum((tiles_through <= pid_m).to(tl.int32), 0)  # the first group whose tiles reach past pid_m
+    mine = es == group  # no group when pid_m is past the last tile: then every row is masked off
+    tiles_before = tl.sum(tl.where(mine, tiles_through - tiles, 0), 0)
+    row_start = tl.sum(tl.where(mine, starts, 0), 0) + (pid_m - tiles_before) * BLOCK_M
+    row_end = tl.sum(tl.where(mine, ends, 0), 0)
     rows = row_start + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -203,7 +202,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     def grid(meta):  # one program per (row tile, column tile); tiles past the last group's end return at once
         return ((triton.cdiv(T, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _grouped_mm_kernel[grid](x, w, offs, out, *x.stride(), *w.stride(), T, K, N, E, BAND=BAND, **flags)
+    _grouped_mm_kernel[grid](x, w, offs, out, *x.stride(), *w.stride(), T, K, N, E, BAND=BAND, BLOCK_E=triton.next_power_of_2(E), **flags)
     return out
 
 
