@@ -282,11 +282,13 @@ class _GroupedMM(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 # Functional API
 # --------------------------------------------------------------------------------------------------
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, check_offs: bool = True) -> torch.Tensor:
     """Rows offs[e-1]:offs[e] of x (T, K) times w[e] (E, K, N); offs int32 (E,), non-decreasing, offs[-1] = T.
 
-    Returns (T, N) in x's dtype (float32, float16 or bfloat16); differentiable in x and w. Outside torch.compile
-    the offsets are checked on the host, which waits for the GPU once per call.
+    Returns (T, N) in x's dtype (float32, float16 or bfloat16); differentiable in x and w. With ``check_offs``
+    (the default, outside torch.compile) the offsets' values are checked on the host, which waits for the GPU
+    once per call; pass ``check_offs=False`` where offs is built by code you trust (the MoE layer does), so the
+    call stays asynchronous like ``torch._grouped_mm``. Bad offsets are then not detected.
     """
     check_tensor(x, "x", ndim=2)
     check_tensor(w, "w", ndim=3)
@@ -299,6 +301,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
         raise ValueError(f"offs must have one entry per group of w ({w.shape[0]}), got {offs.shape[0]}")
     if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
         return _grouped_mm_op(x, w, offs)
+    if not check_offs:
+        return _GroupedMM.apply(x, w, offs.contiguous())
     ends = offs.tolist()
     if any(b < a for a, b in zip([0, *ends[:-1]], ends, strict=True)):
         raise ValueError(f"offs must be non-decreasing and start at 0 or more, got {ends}")

@@ -94,3 +94,8 @@ def test_moe_sized_on_gpu():
     counts = torch.multinomial(torch.ones(64), 16384 * 6, replacement=True).bincount(minlength=64).tolist()
     x, w, offs = _inputs(counts, 2048, 1408, torch.bfloat16, "cuda")
     check_forward_backward(grouped_mm, grouped_mm_ref, [x, w, offs], atol=1e-2, grads=[0, 1], baseline=torch_grouped_mm)
+
+
+def test_unchecked_offs_give_the_same_result(device):
+    x, w, offs = _inputs([5, 0, 11], 24, 20, torch.float32, device)
+    torch.testing.assert_close(grouped_mm(x, w, offs, check_offs=False), grouped_mm(x, w, offs), atol=0, rtol=0)

@@ -76,3 +76,41 @@ def test_bad_input_is_named():
         MoE(8, 8, 4, 5)
     with pytest.raises(ValueError, match="shapes do not fit"):
         MoE(8, 8, 4, 2)(torch.randn(3, 9))
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("tokens, k, width", [(9, 2, 40), (5, 3, 1500), (1, 1, 7)])  # k not a power of two; a
+def test_permutation_kernels(device, dtype, atol, tokens, k, width):  # width past one column block; one token
+    """The dispatch (gather by expert) and the weighted combine against plain indexing in float64, with gradients."""
+    from kernel_lib.moe import _Combine, _Dispatch
+
+    torch.manual_seed(tokens * k)
+    order = torch.randperm(tokens * k, device=device)  # any permutation stands in for the sort by expert
+    token = order // k
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=device)
+    pos = pos.view(tokens, k)
+    x = torch.randn(tokens, width, device=device).to(dtype)
+    out = torch.randn(tokens * k, width, device=device).to(dtype)
+    weight = torch.rand(tokens, k, device=device)
+    dxs, dy = torch.randn(tokens * k, width, device=device), torch.randn(tokens, width, device=device)
+
+    def run(x, out, weight, kernel):
+        x, out, weight = (t.detach().requires_grad_() for t in (x, out, weight))
+        if kernel:
+            xs, y = _Dispatch.apply(x, token, pos), _Combine.apply(out, weight, pos, token, order)
+        else:  # plain indexing, summed in float32 (float64 for float64): the definition
+            xs = x[token]
+            acc = torch.promote_types(out.dtype, torch.float32)
+            terms = out.to(acc) * weight.reshape(-1)[order, None].to(acc)
+            y = torch.zeros(x.shape, device=device, dtype=acc).index_add(0, token, terms).to(x.dtype)
+        (xs * dxs.to(xs.dtype)).sum().backward()
+        (y * dy.to(y.dtype)).sum().backward()
+        return xs, y, x.grad, out.grad, weight.grad
+
+    names = ["xs", "y", "dx", "dout", "dweight"]
+    got = run(x, out, weight, kernel=True)
+    want = run(x.double(), out.double(), weight.double(), kernel=False)
+    base = run(x, out, weight, kernel=False)  # PyTorch in the test's dtype
+    checks = [check(g, w, b, name=n, atol=atol) for g, w, b, n in zip(got, want, base, names, strict=True)]
+    assert all(c.ok for c in checks), report(checks)
