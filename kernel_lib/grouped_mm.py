@@ -202,7 +202,10 @@ def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     def grid(meta):  # one program per (row tile, column tile); tiles past the last group's end return at once
         return ((triton.cdiv(T, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _grouped_mm_kernel[grid](x, w, offs, out, *x.stride(), *w.stride(), T, K, N, E, BAND=BAND, BLOCK_E=triton.next_power_of_2(E), **flags)
+    _grouped_mm_kernel[grid](
+        x, w, offs, out, *x.stride(), *w.stride(), T, K, N, E,
+        BAND=BAND, BLOCK_E=triton.next_power_of_2(E), **flags,
+    )  # fmt: skip
     return out
 
 

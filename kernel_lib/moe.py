@@ -241,7 +241,7 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """y[t] = sum_j weight[t, j] * src[pos[t, j]]. Backward: dsrc = weighted gather of dy; dweight = row dot products."""
+    """y[t] = sum_j weight[t, j] * src[pos[t, j]]. Backward: dsrc = dy gathered and weighted; dweight = row dots."""
 
     @staticmethod
     def forward(ctx, src, weight, pos, token, order):
