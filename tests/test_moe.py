@@ -79,8 +79,15 @@ def test_bad_input_is_named():
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("tokens, k, width", [(9, 2, 40), (5, 3, 1500), (1, 1, 7)])  # k not a power of two; a
-def test_permutation_kernels(device, dtype, atol, tokens, k, width):  # width past one column block; one token
+@pytest.mark.parametrize(
+    "tokens, k, width",
+    [
+        (9, 2, 40),  # top-2, a width below one column block
+        (5, 3, 1500),  # k not a power of two, a width past one column block (1024)
+        (1, 1, 7),  # one token, one slot
+    ],
+)
+def test_permutation_kernels(device, dtype, atol, tokens, k, width):
     """The dispatch (gather by expert) and the weighted combine against plain indexing in float64, with gradients."""
     from kernel_lib.moe import _Combine, _Dispatch
 
