@@ -77,7 +77,7 @@ def _tile_of(pid, n_row_tiles, n_col_tiles, BAND: tl.constexpr):
 
     Programs that run at the same time then share a few row tiles of one operand and a few column tiles of the
     other, so both stay in L2. With row tiles fastest over the whole grid, every column tile would re-read all
-    of x from HBM (with column tiles fastest, all of w): more traffic than the matmul's own time on an H200.
+    of x from HBM (with column tiles fastest, all of w).
     """
     per_band = BAND * n_col_tiles
     first_row = (pid // per_band) * BAND
@@ -106,8 +106,7 @@ def _grouped_mm_kernel(
     # At most cdiv(T, BLOCK_M) + E row tiles exist (each group adds at most one partial tile).
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(T, BLOCK_M) + E, tl.cdiv(N, BLOCK_N), BAND)
     # Find this program's (group, row tile): tiles are numbered group after group. All of offs is read at once and
-    # scanned as a vector; a loop of E dependent scalar loads cost each program about as much as a tile's
-    # matmul at E = 64.
+    # scanned as a vector, not in a loop of E scalar loads (H100, E = 64: 460 against 449 TFLOP/s, a small gain).
     es = tl.arange(0, BLOCK_E)
     ends = tl.load(offs_ptr + es, mask=es < E, other=0)
     starts = tl.load(offs_ptr + es - 1, mask=(es > 0) & (es < E), other=0)
