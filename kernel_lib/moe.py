@@ -23,8 +23,8 @@ The permutation has two Triton kernels of its own, both plain row copies with no
 where ``pos`` (T, k) is the inverse of the sort: the sorted row of token t's j-th assignment. Each is the other's
 backward: the gradient of a gather is a combine with weights 1 (dx[t] sums the k sorted rows of token t), and the
 gradient of a combine is a gather of dy scaled by the routing weights, plus dw[t, j] = <dy[t], out[pos[t, j]]>
-(``_combine_dw_kernel``). Measured on an H100 before these kernels, ``index_add`` of the float32-weighted rows took
-3.0 of a 7.3 ms forward at T = 16384, d = 2048, E = 64, top-6 (notebook 04c).
+(``_combine_dw_kernel``). Measured on an H100 (notebook 04c) at T = 16384, d = 2048, E = 64, top-6, bf16:
+``index_add`` of the float32-weighted rows took 2.98 ms of the forward, the combine kernel 0.17 ms.
 
 ``moe_ref`` is the per-expert Python loop: the definition that tests, notebooks and benchmarks compare against.
 """
