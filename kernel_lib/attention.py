@@ -17,9 +17,12 @@ A query that sees no key (N > M, causal) gets out = 0 and lse = -inf, and no gra
 Forward: each program owns a block of BLOCK_M queries of one head, streams the visible key/value blocks through
 shared memory, and keeps a running maximum, a running sum and an unnormalized output in registers (online
 softmax, in base 2 for the hardware's exp2). It writes out and lse; nothing of size N x M ever reaches memory.
-Backward recomputes the probabilities blockwise from lse: one kernel owns a key/value block and loops over the
-query blocks of every query head of its group (dK, dV, summed over the group in registers); a second owns a
-query block and loops over key blocks (dQ). No atomics, so results are deterministic.
+Backward recomputes the probabilities blockwise from lse. A small kernel first reads out and dout once to form
+delta = rowsum(dout * out) (minus any gradient of lse) and lse in base 2. Then one kernel owns a key/value block
+and loops over the query blocks of every query head of its group (dK, dV, summed over the group in registers;
+computed transposed, s^T = k q^T, so no register tile is transposed); a second owns a query block and loops over
+key blocks (dQ). Only tiles on the edge of the causal or window mask apply it; rows past N and keys past M load
+as zeros, which contribute nothing. No atomics, so results are deterministic.
 
 The Triton kernels live in the sibling ``attention_kernels.py``. Registered as the
 ``kernel_lib::flash_attention_fwd`` / ``kernel_lib::flash_attention_bwd`` custom ops with fake implementations
@@ -35,7 +38,13 @@ import torch
 import triton
 
 from ._utils import check_same_device, check_same_dtype, check_tensor, use_triton
-from .attention_kernels import LOG2E, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_fwd_kernel
+from .attention_kernels import (
+    LOG2E,
+    _attn_bwd_dkdv_kernel,
+    _attn_bwd_dq_kernel,
+    _attn_bwd_prep_kernel,
+    _attn_fwd_kernel,
+)
 
 __all__ = ["flash_attention", "attention_ref", "MultiHeadAttention"]
 
@@ -131,26 +140,35 @@ def _backward_reference(do, q, k, v, lse, delta, causal, window, scale):
 def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
     B, Hq, Hkv, N, M, D = _shapes(q, k)
     do = do.contiguous()
-    # d(loss)/d(score_ij) = p_ij * (dp_ij - delta_i); a gradient flowing into lse_i adds p_ij * dlse_i.
-    delta = (do.float() * out.float()).sum(-1)  # (B, Hq, N)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    lse = lse.contiguous()
     if not use_triton(q, k, v, op="flash_attention"):
-        return _backward_reference(do, q, k, v, lse, delta, causal, window, scale)
+        # d(loss)/d(score_ij) = p_ij * (dp_ij - delta_i); a gradient flowing into lse_i adds p_ij * dlse_i.
+        delta = (do.float() * out.float()).sum(-1)  # (B, Hq, N)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        return _backward_reference(do, q, k, v, lse.contiguous(), delta, causal, window, scale)
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     dq = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, Hkv, M, D), device=k.device, dtype=k.dtype)
     dv = torch.empty((B, Hkv, M, D), device=v.device, dtype=v.dtype)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    # One pass over out and dout: delta = rowsum(dout * out) - dlse, and lse in base 2 (+inf for a query that
+    # sees nothing, so its probabilities recompute as 0), both (B, Hq, N) float32.
+    delta_lse2 = torch.empty((2, B, Hq, N), device=q.device, dtype=torch.float32)
+    n_rows = B * Hq * N
+    block_r = max(1, 4096 // D)
+    _attn_bwd_prep_kernel[(triton.cdiv(n_rows, block_r),)](
+        out.contiguous(), do, lse.contiguous(), dlse.float().contiguous() if dlse is not None else lse,
+        delta_lse2[0], delta_lse2[1], n_rows, HEAD_DIM=D, HAS_DLSE=dlse is not None, BLOCK_R=block_r,
+    )  # fmt: skip
+    delta, lse2 = delta_lse2[0], delta_lse2[1]
     common = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
     _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_N"]), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        q, k, v, do, lse2, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         Hq, Hkv, N, M, Hq // Hkv, scale, window or 0, **common,
     )  # fmt: skip
     _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)](
-        q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        q, k, v, do, lse2, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         Hq, N, M, Hq // Hkv, scale, window or 0, **common,
     )  # fmt: skip
     return dq, dk, dv

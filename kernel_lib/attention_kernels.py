@@ -129,30 +129,114 @@ def _attn_fwd_kernel(
     tl.store(lse_ptr + row, lse, mask=offs_m < N)
 
 
-_BWD_CONFIGS = [
+# Backward configs, one list per kernel: the dK/dV kernel holds BLOCK_N keys and streams BLOCK_M queries (and
+# dout) past them, the dQ kernel the other way round; each kernel's smem estimate counts the streamed tiles.
+_DKDV_CONFIGS = [
     triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2),  # first: runs anywhere, interpreted
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4, num_stages=5),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+]
+_DQ_CONFIGS = [
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2),  # first: runs anywhere, interpreted
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=5),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
 ]
 
 
+def _smem_bytes_dkdv(config, args) -> int:
+    d = args.get("HEAD_DIM", 128)
+    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    return 2 * d * (2 * n + 2 * m * max(1, config.num_stages - 1))  # k, v held; q, dout streamed
+
+
+def _smem_bytes_dq(config, args) -> int:
+    d = args.get("HEAD_DIM", 128)
+    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    return 2 * d * (2 * m + 2 * n * max(1, config.num_stages - 1))  # q, dout held; k, v streamed
+
+
 @triton.jit
-def _probs(q, k, lse, offs_m, offs_n, N, M, scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WINDOW_SIZE):
-    """softmax probabilities of one (BLOCK_M, BLOCK_N) tile, recomputed from the forward's log-sum-exp."""
-    s = _mask_scores(tl.dot(q, tl.trans(k)) * scale, offs_m, offs_n, N, M, CAUSAL, WINDOW, WINDOW_SIZE)
-    return tl.where(s == float("-inf"), 0.0, tl.exp(s - lse[:, None]))  # 0, not NaN, where lse is -inf too
+def _attn_bwd_prep_kernel(
+    out_ptr, do_ptr,  # (rows, D) contiguous each: the forward's output and its gradient
+    lse_ptr,  # (rows,) float32: the forward's log-sum-exp (natural log; -inf for a query that sees no key)
+    dlse_ptr,  # (rows,) float32: gradient flowing into lse; unused when HAS_DLSE is False
+    delta_ptr,  # output (rows,) float32: rowsum(dout * out) - dlse
+    lse2_ptr,  # output (rows,) float32: lse in base 2, +inf where lse is -inf (so that 2^(s - lse2) = 0)
+    n_rows,  # B * Hq * N
+    HEAD_DIM: tl.constexpr, HAS_DLSE: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows per program
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+    out = tl.load(out_ptr + ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(out * do, axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + rows, mask=row_mask, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(delta_ptr + rows, delta, mask=row_mask)
+    tl.store(lse2_ptr + rows, lse2, mask=row_mask)
+
+
+@triton.jit
+def _sees(key_pos, query_pos, N, M, WINDOW: tl.constexpr, WINDOW_SIZE):
+    """Whether each key sees each query under the causal (and window) mask, bottom-right aligned; key_pos and
+    query_pos come broadcast against each other, so one helper serves both tile orientations."""
+    pos = query_pos + (M - N)
+    visible = key_pos <= pos
+    if WINDOW:
+        visible = visible & (key_pos > pos - WINDOW_SIZE)
+    return visible
+
+
+@triton.jit
+def _dkdv_steps(
+    dk, dv, k, v,  # (BLOCK_N, D) float32 accumulators; this program's key and value tiles
+    q_base, do_base, lse2_base, delta_base,  # pointers to row 0 of this query head
+    offs_n, offs_d, sqn,  # this program's key positions, the head dim, q's position stride
+    q_start, q_end,  # query blocks [q_start, q_end), q_start a multiple of BLOCK_M
+    N, M, qk_scale, WINDOW_SIZE,
+    MASK: tl.constexpr,  # apply the causal/window mask (only blocks on its edge need it)
+    WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # Computed transposed, keys along rows (s^T = k q^T), so p^T and ds^T come out of their dots already in the
+    # layout the next dots take (dv += p^T dout, dk += ds^T q): no transpose of a register tile.
+    # Rows past N need no mask: their q and dout load as 0, which zeroes their share of dv and ds.
+    for start_m in range(q_start, q_end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_valid = offs_m < N
+        q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+        lse2 = tl.load(lse2_base + offs_m, mask=m_valid, other=0.0)
+        delta = tl.load(delta_base + offs_m, mask=m_valid, other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # (BLOCK_N, BLOCK_M)
+        if MASK:
+            p_t = tl.where(_sees(offs_n[:, None], offs_m[None, :], N, M, WINDOW, WINDOW_SIZE), p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
 
 
 @triton.autotune(
-    configs=configs_for_autotune(_BWD_CONFIGS),
+    configs=configs_for_autotune(_DKDV_CONFIGS),
     key=["N", "M", "HEAD_DIM", "CAUSAL", "WINDOW"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(_smem_bytes)},
+    prune_configs_by={"early_config_prune": prune_by_shared_memory(_smem_bytes_dkdv)},
 )
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # q (B, Hq, N, D), k and v (B, Hkv, M, D), dout (B, Hq, N, D) contiguous
-    lse_ptr, delta_ptr,  # (B, Hq, N) float32: forward log-sum-exp; rowsum(dout * out)
+    lse2_ptr, delta_ptr,  # (B, Hq, N) float32: base-2 log-sum-exp and rowsum(dout * out), from the prep kernel
     dk_ptr, dv_ptr,  # outputs (B, Hkv, M, D) contiguous
     sqb, sqh, sqn,  # q strides
     skb, skh, skn,  # k strides
@@ -169,52 +253,81 @@ def _attn_bwd_dkdv_kernel(
     b, hk = bhk // Hkv, bhk % Hkv
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_mask = offs_n[:, None] < M
     k_base = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    # Queries that can see any key of this block (bottom-right alignment, offset M - N).
+    # Query blocks, bottom-right alignment (offset M - N): [q_lo, full_lo) and [full_hi, q_hi) see part of this
+    # key block (masked), [full_lo, full_hi) see all of it (no mask); without a mask, all of [0, N) is full.
     q_lo = 0
     q_hi = N
+    full_lo = 0
+    full_hi = N
     if CAUSAL:
-        q_lo = tl.maximum(0, start_n - (M - N))
+        q_lo = (tl.maximum(0, start_n - (M - N)) // BLOCK_M) * BLOCK_M
+        last_key = tl.maximum(0, start_n + BLOCK_N - 1 - (M - N))  # first query that sees the block's last key
+        full_lo = tl.minimum(tl.maximum(tl.cdiv(last_key, BLOCK_M) * BLOCK_M, q_lo), N)
     if WINDOW:
         q_hi = tl.minimum(N, tl.maximum(0, start_n + BLOCK_N - 1 - (M - N) + WINDOW_SIZE))
-    q_lo = (q_lo // BLOCK_M) * BLOCK_M
+        # queries below start_n - (M - N) + W still see the block's first key
+        full_hi = (tl.maximum(0, start_n - (M - N) + WINDOW_SIZE) // BLOCK_M) * BLOCK_M
+        full_hi = tl.maximum(tl.minimum(full_hi, q_hi), full_lo)
+    qk_scale = scale * 1.4426950408889634
     for g in range(0, GROUP):  # every query head reading this key/value head
         h = hk * GROUP + g
         q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
         row_base = (b * Hq + h).to(tl.int64) * N
-        for start_m in range(q_lo, q_hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q_mask = offs_m[:, None] < N
-            q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_ptr + (row_base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0)
-            lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < N, other=0.0)
-            delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < N, other=0.0)
-            if DOT_FP32:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            p = _probs(q, k, lse, offs_m, offs_n, N, M, scale, CAUSAL, WINDOW, WINDOW_SIZE)  # (BLOCK_M, BLOCK_N)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        do_base = do_ptr + row_base * HEAD_DIM
+        lse2_base = lse2_ptr + row_base
+        delta_base = delta_ptr + row_base
+        if CAUSAL:
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_d, sqn,
+                                 q_lo, full_lo, N, M, qk_scale, WINDOW_SIZE,
+                                 True, WINDOW, DOT_FP32, HEAD_DIM, BLOCK_M)  # fmt: skip
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_d, sqn,
+                             full_lo, full_hi, N, M, qk_scale, WINDOW_SIZE,
+                             False, WINDOW, DOT_FP32, HEAD_DIM, BLOCK_M)  # fmt: skip
+        if WINDOW:
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_d, sqn,
+                                 full_hi, q_hi, N, M, qk_scale, WINDOW_SIZE,
+                                 True, WINDOW, DOT_FP32, HEAD_DIM, BLOCK_M)  # fmt: skip
+    kv_mask = offs_n[:, None] < M
     out_rows = (bhk.to(tl.int64) * M + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(dk_ptr + out_rows, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out_rows, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
+@triton.jit
+def _dq_steps(
+    dq, q, do, lse2, delta,  # (BLOCK_M, D) float32 accumulator; this program's q, dout; its lse2 and delta
+    k_base, v_base, offs_m, offs_d, skn, svn,
+    k_start, k_end,  # key blocks [k_start, k_end), k_start a multiple of BLOCK_N
+    N, M, qk_scale, WINDOW_SIZE,
+    MASK: tl.constexpr,  # apply the causal/window mask (only blocks on its edge need it)
+    WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # Keys past M need no mask: their k and v load as 0, so they add nothing to dq.
+    for start_n in range(k_start, k_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
+        if MASK:
+            p = tl.where(_sees(offs_n[None, :], offs_m[:, None], N, M, WINDOW, WINDOW_SIZE), p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
 @triton.autotune(
-    configs=configs_for_autotune(_BWD_CONFIGS),
+    configs=configs_for_autotune(_DQ_CONFIGS),
     key=["N", "M", "HEAD_DIM", "CAUSAL", "WINDOW"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(_smem_bytes)},
+    prune_configs_by={"early_config_prune": prune_by_shared_memory(_smem_bytes_dq)},
 )
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # as in the dK/dV kernel
-    lse_ptr, delta_ptr,  # (B, Hq, N) float32
+    lse2_ptr, delta_ptr,  # (B, Hq, N) float32
     dq_ptr,  # output (B, Hq, N, D) contiguous
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,  # strides of q, k, v
     Hq, N, M, GROUP,  # heads, lengths, query heads per key/value head
@@ -224,7 +337,9 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    start_m = tl.program_id(0) * BLOCK_M
+    # Causal: the last query blocks see the most keys; they get the first program ids, so the longest programs
+    # start first and the short ones fill the tail.
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // Hq, bh % Hq
     hk = h // GROUP
@@ -238,7 +353,7 @@ def _attn_bwd_dq_kernel(
         other=0.0,
     )
     do = tl.load(do_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0)
-    lse = tl.load(lse_ptr + row, mask=offs_m < N, other=0.0)
+    lse2 = tl.load(lse2_ptr + row, mask=offs_m < N, other=0.0)
     delta = tl.load(delta_ptr + row, mask=offs_m < N, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -248,10 +363,22 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, hi = _key_range(start_m, N, M, BLOCK_M, CAUSAL, WINDOW, WINDOW_SIZE)
     lo = (lo // BLOCK_N) * BLOCK_N
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
-        p = _probs(q, k, lse, offs_m, offs_n, N, M, scale, CAUSAL, WINDOW, WINDOW_SIZE)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+    # Key blocks [lo, full_lo) and [full_hi, hi) are seen by part of this query block (masked), [full_lo, full_hi)
+    # by all of it.
+    full_lo = lo
+    full_hi = hi
+    if CAUSAL:  # keys up to the first query's position are seen by every query of the block
+        full_hi = tl.maximum((tl.maximum(0, start_m + 1 + (M - N)) // BLOCK_N) * BLOCK_N, lo)
+    if WINDOW:  # keys from the last query's window start on are seen by every query of the block
+        full_lo = tl.cdiv(tl.maximum(0, start_m + BLOCK_M + (M - N) - WINDOW_SIZE), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
+    qk_scale = scale * 1.4426950408889634
+    if WINDOW:
+        dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, skn, svn,
+                       lo, full_lo, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
+    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, skn, svn,
+                   full_lo, full_hi, N, M, qk_scale, WINDOW_SIZE, False, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
+    if CAUSAL:
+        dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, skn, svn,
+                       full_hi, hi, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
     tl.store(dq_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=q_mask)

@@ -5,7 +5,9 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
+from kernel_lib import attention_kernels
 from kernel_lib.attention import MultiHeadAttention, _visible, attention_ref, flash_attention
 from tests._checks import check_forward_backward
 
@@ -55,6 +57,36 @@ def test_forward_backward(device, B, Hq, Hkv, N, M, D, causal, window, dtype, at
     # SDPA gives NaN for a query that sees no key (we define 0); there, PyTorch's baseline is the fp32 reference.
     baseline = reference if sees_nothing else functools.partial(torch_attention, causal=causal, window=window)
     check_forward_backward(kernel, reference, [q, k, v], atol=atol, baseline=baseline)
+
+
+BLOCK_SHAPES = [  # (queries, keys) per tile of both backward kernels: moves the masked/unmasked block split
+    pytest.param(16, 64, id="key-tile-spans-4-query-tiles"),
+    pytest.param(64, 16, id="query-tile-spans-4-key-tiles"),
+]
+SPLIT_CASES = [  # (B, Hq, Hkv, N, M, causal, window): where the split of each key or query range can go wrong
+    pytest.param(1, 2, 1, 130, 130, True, None, id="causal-ragged-end"),
+    pytest.param(1, 2, 2, 40, 130, True, None, id="queries-see-all-early-keys"),
+    pytest.param(1, 1, 1, 150, 30, True, None, id="early-queries-see-nothing"),
+    pytest.param(1, 2, 2, 130, 130, True, 20, id="window-between-tile-sizes"),
+    pytest.param(1, 2, 1, 200, 200, True, 70, id="window-spans-full-tiles"),
+]
+
+
+@pytest.mark.parametrize("block_q, block_k", BLOCK_SHAPES)
+@pytest.mark.parametrize("B, Hq, Hkv, N, M, causal, window", SPLIT_CASES)
+def test_backward_with_other_tile_shapes(device, monkeypatch, B, Hq, Hkv, N, M, causal, window, block_q, block_k):
+    # The backward kernels mask only the tiles on the mask's edge; the tests above run one tile shape (32 x 32
+    # when interpreted), so the split is checked here with tiles of unequal sides.
+    for kernel in (attention_kernels._attn_bwd_dkdv_kernel, attention_kernels._attn_bwd_dq_kernel):
+        config = triton.Config({"BLOCK_M": block_q, "BLOCK_N": block_k}, num_warps=4, num_stages=2)
+        monkeypatch.setattr(kernel, "configs", [config])
+        monkeypatch.setattr(kernel, "cache", {})  # the autotuner's choice for an earlier test's shape
+    q, k, v = _qkv(B, Hq, Hkv, N, M, 32, torch.float16, device)
+    kernel = functools.partial(flash_attention, causal=causal, window=window)
+    reference = functools.partial(attention_ref, causal=causal, window=window)
+    sees_nothing = not _visible(N, M, causal, window, device).any(dim=1).all()
+    baseline = reference if sees_nothing else functools.partial(torch_attention, causal=causal, window=window)
+    check_forward_backward(kernel, reference, [q, k, v], atol=1e-3, baseline=baseline)
 
 
 @pytest.mark.parametrize("B, Hq, Hkv, N, M, D, causal, window", CASES[:6] + CASES[8:9])
