@@ -66,6 +66,33 @@ def _key_range(start_m, N, M, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDO
     return lo, hi
 
 
+@triton.jit
+def _fwd_steps(
+    acc, l_i, m_i, q,  # running output, sum and max of this program's queries; its q tile
+    k_base, v_base, offs_m, offs_d, skn, svn,
+    k_start, k_end,  # key blocks [k_start, k_end), k_start a multiple of BLOCK_N
+    N, M, qk_scale, WINDOW_SIZE,
+    MASK: tl.constexpr,  # apply key-range, causal and window masks (only blocks on their edge need them)
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    for start_n in range(k_start, k_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+        if MASK:
+            s = _mask_scores(s, offs_m, offs_n, N, M, CAUSAL, WINDOW, WINDOW_SIZE)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = m_new
+        if MASK:  # a row that has seen no key yet keeps m = -inf: subtract 0 instead, so p = 0, not NaN
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.autotune(
     configs=configs_for_autotune(_FWD_CONFIGS),
     key=["N", "M", "HEAD_DIM", "CAUSAL", "WINDOW"],
@@ -90,7 +117,9 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    start_m = tl.program_id(0) * BLOCK_M
+    # Causal: the last query blocks see the most keys; they get the first program ids, so the longest programs
+    # start first and the short ones fill the tail.
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // Hq, bh % Hq
     hk = h // GROUP
@@ -107,18 +136,22 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # unnormalized output
     lo, hi = _key_range(start_m, N, M, BLOCK_M, CAUSAL, WINDOW, WINDOW_SIZE)
     lo = (lo // BLOCK_N) * BLOCK_N
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
-        s = _mask_scores(s, offs_m, offs_n, N, M, CAUSAL, WINDOW, WINDOW_SIZE)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Key blocks [full_lo, full_hi) are whole (inside M) and seen by every query of the block: no mask. The
+    # blocks before (window edge) and after (causal edge, ragged end of the keys) are masked.
+    full_lo = lo
+    full_hi = (M // BLOCK_N) * BLOCK_N
+    if CAUSAL:  # keys up to the first query's position are seen by every query of the block
+        full_hi = tl.minimum(full_hi, (tl.maximum(0, start_m + 1 + (M - N)) // BLOCK_N) * BLOCK_N)
+    full_hi = tl.maximum(full_hi, lo)
+    if WINDOW:  # keys from the last query's window start on are seen by every query of the block
+        full_lo = tl.cdiv(tl.maximum(0, start_m + BLOCK_M + (M - N) - WINDOW_SIZE), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
+        acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, skn, svn, lo, full_lo,
+                                   N, M, qk_scale, WINDOW_SIZE, True, CAUSAL, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, skn, svn, full_lo, full_hi,
+                               N, M, qk_scale, WINDOW_SIZE, False, CAUSAL, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, skn, svn, full_hi, hi,
+                               N, M, qk_scale, WINDOW_SIZE, True, CAUSAL, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
