@@ -259,13 +259,13 @@ def ln_backward_with(dy, x, w, mean, rstd, per_sm=4, warps=8):
     programs = min(per_sm * sm_count(), n_rows)
     rows_per_program = triton.cdiv(n_rows, programs)
     programs = triton.cdiv(n_rows, rows_per_program)
-    dw = torch.empty((programs, D), device=x.device, dtype=torch.float32)
-    db = torch.empty_like(dw)
+    partial = torch.empty((2, programs, D), device=x.device, dtype=torch.float32)  # dweight's, then dbias's
     ln_mod._layer_norm_bwd_kernel[(programs,)](
-        dy, x, w, mean, rstd, dx, dw, db, dy.stride(0), x.stride(0), n_rows, D, 1.0 / D, rows_per_program,
+        dy, x, w, mean, rstd, dx, partial, dy.stride(0), x.stride(0), n_rows, D, 1.0 / D, rows_per_program,
         HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_D=block_d, num_warps=warps,
     )  # fmt: skip
-    return dx, dw.sum(0).to(w.dtype), db.sum(0).to(w.dtype)
+    dw, db = partial.sum(1).to(w.dtype)
+    return dx, dw, db
 
 
 def explore_width(D, n_rows, record):

@@ -49,9 +49,9 @@ def use_triton(*tensors: torch.Tensor, op: str = "kernel") -> bool:
     CUDA tensors: always the kernel. CPU tensors: the kernel under the interpreter, else the reference,
     with a one-time warning saying so. Any other device raises, naming it.
     """
-    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
-    if devices <= {"cuda"}:
+    if all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)):  # the common case, without building a set
         return True
+    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
     if devices <= {"cpu"}:
         if is_interpreting():
             return True
@@ -123,6 +123,8 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     Kernels take a row stride, so any layout whose last dim is contiguous and whose leading dims
     collapse into one stride is passed through without a copy.
     """
+    if x.dim() == 2 and x.stride(1) == 1:  # already (rows, D) with unit stride along D
+        return x
     if x.dim() == 0:
         raise ValueError("expected a tensor with at least one dim, got a scalar")
     if x.stride(-1) != 1 and x.shape[-1] != 1:
@@ -209,6 +211,7 @@ def persistent_programs(device: torch.device, work_items: int, per_sm: int = 4) 
     return max(1, min(target, work_items))
 
 
+@functools.cache  # called on every launch with a handful of distinct widths
 def row_block_settings(width: int, element_bytes: int, max_width: int = 65536) -> tuple[int, int, int]:
     """(BLOCK_D, BLOCK_M, num_warps) for a kernel that holds whole rows of ``width`` elements in registers.
 

@@ -10,8 +10,9 @@ x's dtype. Backward, with ``xhat = x * rstd`` and ``g = dy * weight``::
     dweight = sum over rows of dy * xhat                                      reduced in two stages
 
 The weight gradient is a reduction over all rows: each of a few programs per SM loops over its share of rows
-and keeps a float32 partial sum in registers; the partials, (programs, D), are summed by PyTorch at the end.
-That avoids atomics, so results are deterministic.
+and keeps a float32 partial sum in registers; the partials, (programs, D) float32, are summed over the programs
+by a small finish kernel, in float32 and in a fixed order, which writes dweight in the weight's dtype. That
+avoids atomics, so results are deterministic.
 
 Registered as the ``kernel_lib::rms_norm_fwd`` / ``kernel_lib::rms_norm_bwd`` custom ops with fake
 (meta) implementations and autograd, so ``torch.compile(fullgraph=True)`` traces through it without a graph
@@ -126,28 +127,52 @@ def _rms_norm_bwd_kernel(
         tl.store(dw_partial_ptr + pid * D + cols, dw_acc, mask=mask)
 
 
+@triton.jit
+def _rms_norm_bwd_finish_kernel(
+    dw_partial_ptr,  # (programs, D) float32 from the backward kernel
+    dw_ptr,  # output, (D,) in weight's dtype: dweight
+    programs,  # partial rows: the backward kernel's grid
+    D,  # row width
+    BLOCK_P: tl.constexpr,  # partial rows read per loop step
+    BLOCK_D: tl.constexpr,  # columns per program
+):
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < D
+    acc = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+    for start in range(0, programs, BLOCK_P):  # a fixed order: the same sum on every run
+        p = start + tl.arange(0, BLOCK_P)
+        mask = (p < programs)[:, None] & col_mask[None, :]
+        acc += tl.load(dw_partial_ptr + p[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    tl.store(dw_ptr + cols, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+
+
 # --------------------------------------------------------------------------------------------------
 # Launchers (inputs already checked by the functional API)
 # --------------------------------------------------------------------------------------------------
+# The finish kernel's tile: partial rows per loop step, columns per program. The best of 8 tiles tried on an H100
+# (528 programs, D = 4096): 3.9 µs, against 10.2 µs for PyTorch's dw_partial.sum(0).to(dtype).
+_FINISH_BLOCK_P, _FINISH_BLOCK_D = 128, 16
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     rows = as_rows(x)  # (n_rows, D)
     n_rows, D = rows.shape
-    y = torch.empty((n_rows, D), device=x.device, dtype=x.dtype)
-    rstd = torch.empty((n_rows,), device=x.device, dtype=torch.float32)
+    # Allocated in their final shapes, contiguous: the kernel writes them as (n_rows, D) and (n_rows,).
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    rstd = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     if n_rows == 0:
-        return y.view(x.shape), rstd.view(x.shape[:-1])
+        return y, rstd
     if not use_triton(x, op="rms_norm"):
         xf = rows.float()
-        rstd.copy_(torch.rsqrt(xf.pow(2).mean(dim=-1) + eps))
-        y.copy_(rms_norm_ref(rows, weight, eps))
-        return y.view(x.shape), rstd.view(x.shape[:-1])
+        rstd.view(-1).copy_(torch.rsqrt(xf.pow(2).mean(dim=-1) + eps))
+        y.view(-1, D).copy_(rms_norm_ref(rows, weight, eps))
+        return y, rstd
     block_d, block_m, num_warps = row_block_settings(D, x.element_size())
-    grid = (triton.cdiv(n_rows, block_m),)
-    _rms_norm_fwd_kernel[grid](
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
         rows, weight if weight is not None else rows, y, rstd, rows.stride(0), n_rows, D, eps,
         HAS_WEIGHT=weight is not None, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=num_warps,
     )  # fmt: skip
-    return y.view(x.shape), rstd.view(x.shape[:-1])
+    return y, rstd
 
 
 def _backward(
@@ -155,17 +180,16 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, dy_rows = as_rows(x), as_rows(dy)  # (n_rows, D) each
     n_rows, D = rows.shape
-    dx = torch.empty((n_rows, D), device=x.device, dtype=x.dtype)
-    no_dw = torch.empty(0, device=x.device, dtype=x.dtype)
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)  # contiguous: the kernel writes it as (n_rows, D)
     if n_rows == 0:
-        return dx.view(x.shape), (torch.zeros_like(weight) if weight is not None else no_dw)
-    rstd = rstd.reshape(-1)
+        return dx, (torch.zeros_like(weight) if weight is not None else dx.new_empty(0))
     if not use_triton(x, op="rms_norm"):
+        rstd = rstd.reshape(-1)  # (n_rows,)
         xhat = rows.float() * rstd[:, None]
         g = dy_rows.float() * (weight.float() if weight is not None else 1.0)
-        dx.copy_((g - xhat * (g * xhat).mean(dim=-1, keepdim=True)) * rstd[:, None])
-        dw = (dy_rows.float() * xhat).sum(0).to(weight.dtype) if weight is not None else no_dw
-        return dx.view(x.shape), dw
+        dx.view(-1, D).copy_((g - xhat * (g * xhat).mean(dim=-1, keepdim=True)) * rstd[:, None])
+        dw = (dy_rows.float() * xhat).sum(0).to(weight.dtype) if weight is not None else dx.new_empty(0)
+        return dx, dw
     block_d, _, num_warps = row_block_settings(D, x.element_size())
     programs = persistent_programs(x.device, n_rows)
     rows_per_program = triton.cdiv(n_rows, programs)
@@ -176,8 +200,13 @@ def _backward(
         dy_rows.stride(0), rows.stride(0), n_rows, D, rows_per_program,
         HAS_WEIGHT=weight is not None, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
-    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else no_dw
-    return dx.view(x.shape), dw
+    if weight is None:
+        return dx, dx.new_empty(0)
+    dw = torch.empty(D, device=x.device, dtype=weight.dtype)
+    _rms_norm_bwd_finish_kernel[(triton.cdiv(D, _FINISH_BLOCK_D),)](
+        dw_partial, dw, programs, D, BLOCK_P=_FINISH_BLOCK_P, BLOCK_D=_FINISH_BLOCK_D, num_warps=4
+    )
+    return dx, dw
 
 
 # --------------------------------------------------------------------------------------------------

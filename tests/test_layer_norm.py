@@ -2,8 +2,16 @@
 
 import pytest
 import torch
+import triton
 
-from kernel_lib.layer_norm import LayerNorm, layer_norm, layer_norm_ref
+from kernel_lib.layer_norm import (
+    _FINISH_BLOCK_D,
+    _FINISH_BLOCK_P,
+    LayerNorm,
+    _layer_norm_bwd_finish_kernel,
+    layer_norm,
+    layer_norm_ref,
+)
 from tests._checks import check_forward_backward, rows_input
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
@@ -52,6 +60,30 @@ def test_partial_affine(device, dtype, atol, rtol, affine):
     w = w if affine == "weight only" else None
     b = b if affine == "bias only" else None
     check_forward_backward(layer_norm, layer_norm_ref, [x, w, b, 1e-5], atol=atol, rtol=rtol)
+
+
+FINISH_SHAPES = [  # (programs, D) of the backward kernel's partial sums
+    (1, 1),  # one program, one column
+    (3, 999),  # width not a multiple of the finish kernel's column block
+    (300, 40),  # more programs than one loop step reads, and not a multiple of it
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("affine", ["weight and bias", "weight only", "bias only"])
+@pytest.mark.parametrize("programs, D", FINISH_SHAPES, ids=str)
+def test_finish_kernel_sums_the_partials(device, programs, D, affine, dtype):
+    has_weight, has_bias = affine != "bias only", affine != "weight only"
+    partial = torch.randn(has_weight + has_bias, programs, D, device=device)  # dweight's partials, then dbias's
+    dw = torch.full((D,), float("nan"), device=device, dtype=dtype)
+    db = torch.full((D,), float("nan"), device=device, dtype=dtype)
+    _layer_norm_bwd_finish_kernel[(triton.cdiv(D, _FINISH_BLOCK_D),)](
+        partial, dw, db, programs, D, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
+        BLOCK_P=_FINISH_BLOCK_P, BLOCK_D=_FINISH_BLOCK_D,
+    )  # fmt: skip
+    written = [g for g, has in ((dw, has_weight), (db, has_bias)) if has]
+    for got, want in zip(written, partial.double().sum(1), strict=True):  # float32 sums, rounded once to dtype
+        torch.testing.assert_close(got, want.to(dtype), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 2**-7)
 
 
 def test_module_matches_torch_nn_layernorm(device):

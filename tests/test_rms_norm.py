@@ -2,8 +2,16 @@
 
 import pytest
 import torch
+import triton
 
-from kernel_lib.rms_norm import RMSNorm, rms_norm, rms_norm_ref
+from kernel_lib.rms_norm import (
+    _FINISH_BLOCK_D,
+    _FINISH_BLOCK_P,
+    RMSNorm,
+    _rms_norm_bwd_finish_kernel,
+    rms_norm,
+    rms_norm_ref,
+)
 from tests._checks import check_forward_backward, rows_input
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
@@ -48,6 +56,25 @@ def test_non_contiguous(device, layout, dtype, atol, rtol):
 def test_without_weight_and_large_eps(device, dtype, atol, rtol):
     x, _ = _inputs((9, 200), dtype, device, weight=False)
     check_forward_backward(rms_norm, rms_norm_ref, [x, None, 0.5], atol=atol, rtol=rtol)
+
+
+FINISH_SHAPES = [  # (programs, D) of the backward kernel's partial sums
+    (1, 1),  # one program, one column
+    (3, 999),  # width not a multiple of the finish kernel's column block
+    (300, 40),  # more programs than one loop step reads, and not a multiple of it
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("programs, D", FINISH_SHAPES, ids=str)
+def test_finish_kernel_sums_the_partials(device, programs, D, dtype):
+    partial = torch.randn(programs, D, device=device)
+    dw = torch.full((D,), float("nan"), device=device, dtype=dtype)
+    _rms_norm_bwd_finish_kernel[(triton.cdiv(D, _FINISH_BLOCK_D),)](
+        partial, dw, programs, D, BLOCK_P=_FINISH_BLOCK_P, BLOCK_D=_FINISH_BLOCK_D
+    )
+    want = partial.double().sum(0).to(dtype)  # float32 sums, rounded once to dtype
+    torch.testing.assert_close(dw, want, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 2**-7)
 
 
 def test_large_magnitude_inputs_do_not_overflow(device):
