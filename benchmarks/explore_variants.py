@@ -225,7 +225,9 @@ def rms_backward_variant(name, dy, x, w, rstd):
     if name.startswith("stages"):
         _rms_bwd_staged[(programs,)](*common, int(name[6:]), num_warps=warps)
     else:
-        rms_mod._rms_norm_bwd_kernel[(programs,)](*common[:-1], HAS_WEIGHT=True, BLOCK_D=block_d, num_warps=warps)
+        rms_mod._rms_norm_bwd_kernel[(programs,)](
+            *common[:-1], HAS_WEIGHT=True, WEIGHT_GRAD=True, BLOCK_D=block_d, num_warps=warps
+        )
     return dx, partial.sum(0).to(w.dtype)
 
 
@@ -262,7 +264,7 @@ def ln_backward_with(dy, x, w, mean, rstd, per_sm=4, warps=8):
     partial = torch.empty((2, programs, D), device=x.device, dtype=torch.float32)  # dweight's, then dbias's
     ln_mod._layer_norm_bwd_kernel[(programs,)](
         dy, x, w, mean, rstd, dx, partial, dy.stride(0), x.stride(0), n_rows, D, 1.0 / D, rows_per_program,
-        HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_D=block_d, num_warps=warps,
+        HAS_WEIGHT=True, WEIGHT_GRAD=True, BIAS_GRAD=True, BLOCK_D=block_d, num_warps=warps,
     )  # fmt: skip
     dw, db = partial.sum(1).to(w.dtype)
     return dx, dw, db

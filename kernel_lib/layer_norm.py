@@ -105,15 +105,16 @@ def _layer_norm_bwd_kernel(
     mean_ptr,  # (n_rows,) float32 saved by the forward
     rstd_ptr,  # (n_rows,) float32 saved by the forward
     dx_ptr,  # output, (n_rows, D) contiguous, x's dtype
-    partial_ptr,  # output, (HAS_WEIGHT + HAS_BIAS, programs, D) float32: each program's share of dweight, then dbias
+    partial_ptr,  # output, (WEIGHT_GRAD + BIAS_GRAD, programs, D) float32: each program's share of dweight, then dbias
     dy_row_stride,  # elements between rows of dy
     x_row_stride,  # elements between rows of x
     n_rows,  # number of rows
     D,  # row width
     inv_D,  # 1 / D, rounded once on the host (exact for D = 1, where rstd = 1/sqrt(eps) amplifies any error)
     rows_per_program,  # each program handles rows pid * rows_per_program + [0, rows_per_program)
-    HAS_WEIGHT: tl.constexpr,  # weight present: scale dy by it and accumulate dweight
-    HAS_BIAS: tl.constexpr,  # bias present: accumulate dbias
+    HAS_WEIGHT: tl.constexpr,  # weight present: scale dy by it
+    WEIGHT_GRAD: tl.constexpr,  # accumulate dweight (weight present and requiring a gradient)
+    BIAS_GRAD: tl.constexpr,  # accumulate dbias (bias present and requiring a gradient)
     BLOCK_D: tl.constexpr,  # power of two >= D
 ):
     pid = tl.program_id(0)
@@ -142,15 +143,15 @@ def _layer_norm_bwd_kernel(
         g = dy * w if HAS_WEIGHT else dy
         dx = (g - tl.sum(g, axis=0) * inv_D - xhat * (tl.sum(g * xhat, axis=0) * inv_D)) * rstd
         tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
-        if HAS_WEIGHT:
+        if WEIGHT_GRAD:
             dw_acc += dy * xhat
-        if HAS_BIAS:
+        if BIAS_GRAD:
             db_acc += dy
         row = nxt
-    if HAS_WEIGHT:
+    if WEIGHT_GRAD:
         tl.store(partial_ptr + pid * D + cols, dw_acc, mask=mask)
-    if HAS_BIAS:
-        db_row = pid + tl.num_programs(0) if HAS_WEIGHT else pid  # dbias's partials follow dweight's
+    if BIAS_GRAD:
+        db_row = pid + tl.num_programs(0) if WEIGHT_GRAD else pid  # dbias's partials follow dweight's
         tl.store(partial_ptr + db_row * D + cols, db_acc, mask=mask)
 
 
@@ -219,13 +220,15 @@ def _forward(x, weight, bias, eps):
     return y, mean, rstd
 
 
-def _backward(dy, x, weight, bias, mean, rstd):
+def _backward(dy, x, weight, bias, mean, rstd, weight_grad=True, bias_grad=True):
+    # weight_grad / bias_grad False (a frozen parameter): that gradient is neither accumulated nor returned.
+    weight_grad, bias_grad = weight is not None and weight_grad, bias is not None and bias_grad
     rows, dy_rows = as_rows(x), as_rows(dy)  # (n_rows, D) each
     n_rows, D = rows.shape
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)  # contiguous: the kernel writes it as (n_rows, D)
     if n_rows == 0:
-        dw = torch.zeros_like(weight) if weight is not None else dx.new_empty(0)
-        db = torch.zeros_like(bias) if bias is not None else dx.new_empty(0)
+        dw = torch.zeros_like(weight) if weight_grad else dx.new_empty(0)
+        db = torch.zeros_like(bias) if bias_grad else dx.new_empty(0)
         return dx, dw, db
     if not use_triton(x, op="layer_norm"):
         mean, rstd = mean.reshape(-1), rstd.reshape(-1)  # (n_rows,) each
@@ -233,26 +236,27 @@ def _backward(dy, x, weight, bias, mean, rstd):
         dyf = dy_rows.float()
         g = dyf * (weight.float() if weight is not None else 1.0)
         dx.view(-1, D).copy_((g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd[:, None])
-        dw = (dyf * xhat).sum(0).to(weight.dtype) if weight is not None else dx.new_empty(0)
-        db = dyf.sum(0).to(bias.dtype) if bias is not None else dx.new_empty(0)
+        dw = (dyf * xhat).sum(0).to(weight.dtype) if weight_grad else dx.new_empty(0)
+        db = dyf.sum(0).to(bias.dtype) if bias_grad else dx.new_empty(0)
         return dx, dw, db
     block_d, _, num_warps = row_block_settings(D, x.element_size())
     programs = persistent_programs(x.device, n_rows)
     rows_per_program = triton.cdiv(n_rows, programs)
     programs = triton.cdiv(n_rows, rows_per_program)
-    sums = (weight is not None) + (bias is not None)
+    sums = weight_grad + bias_grad
     partial = torch.empty((sums, programs, D), device=x.device, dtype=torch.float32) if sums else dx
     _layer_norm_bwd_kernel[(programs,)](
         dy_rows, rows, weight if weight is not None else rows, mean, rstd, dx, partial,
         dy_rows.stride(0), rows.stride(0), n_rows, D, 1.0 / D, rows_per_program,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=num_warps,
+        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, BLOCK_D=block_d,
+        num_warps=num_warps,
     )  # fmt: skip
-    dw = torch.empty(D, device=x.device, dtype=weight.dtype) if weight is not None else dx.new_empty(0)
-    db = torch.empty(D, device=x.device, dtype=bias.dtype) if bias is not None else dx.new_empty(0)
+    dw = torch.empty(D, device=x.device, dtype=weight.dtype) if weight_grad else dx.new_empty(0)
+    db = torch.empty(D, device=x.device, dtype=bias.dtype) if bias_grad else dx.new_empty(0)
     if sums:
         _layer_norm_bwd_finish_kernel[(triton.cdiv(D, _FINISH_BLOCK_D),)](
             partial, dw, db, programs, D,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_P=_FINISH_BLOCK_P,
+            HAS_WEIGHT=weight_grad, HAS_BIAS=bias_grad, BLOCK_P=_FINISH_BLOCK_P,
             BLOCK_D=_FINISH_BLOCK_D, num_warps=4,
         )  # fmt: skip
     return dx, dw, db
@@ -283,14 +287,16 @@ def _layer_norm_bwd_op(
     bias: Optional[torch.Tensor],
     mean: torch.Tensor,
     rstd: torch.Tensor,
+    weight_grad: bool,
+    bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dy, x, weight, bias, mean, rstd)
+    return _backward(dy, x, weight, bias, mean, rstd, weight_grad, bias_grad)
 
 
 @_layer_norm_bwd_op.register_fake
-def _(dy, x, weight, bias, mean, rstd):
-    dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty(0)
-    db = bias.new_empty(bias.shape) if bias is not None else x.new_empty(0)
+def _(dy, x, weight, bias, mean, rstd, weight_grad, bias_grad):
+    dw = weight.new_empty(weight.shape) if weight is not None and weight_grad else x.new_empty(0)
+    db = bias.new_empty(bias.shape) if bias is not None and bias_grad else x.new_empty(0)
     return x.new_empty(x.shape), dw, db
 
 
@@ -306,8 +312,14 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_rule(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _layer_norm_bwd_op(dy, x, weight, bias, mean, rstd)
-    return dx, (dw if weight is not None else None), (db if bias is not None else None), None
+    weight_grad, bias_grad = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    dx, dw, db = _layer_norm_bwd_op(dy, x, weight, bias, mean, rstd, weight_grad, bias_grad)
+    return (
+        dx,
+        (dw if weight is not None and weight_grad else None),
+        (db if bias is not None and bias_grad else None),
+        None,
+    )
 
 
 _layer_norm_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -323,8 +335,10 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _backward(dy, x, weight, bias, mean, rstd)
-        return dx, (dw if weight is not None else None), (db if bias is not None else None), None
+        weight_grad, bias_grad = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dx, dw, db = _backward(dy, x, weight, bias, mean, rstd, weight_grad, bias_grad)
+        dw = dw if weight is not None and weight_grad else None
+        return dx, dw, (db if bias is not None and bias_grad else None), None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -94,7 +94,8 @@ def _rms_norm_bwd_kernel(
     n_rows,  # number of rows
     D,  # row width
     rows_per_program,  # each program handles rows pid * rows_per_program + [0, rows_per_program)
-    HAS_WEIGHT: tl.constexpr,  # weight present: scale dy by it and accumulate dweight
+    HAS_WEIGHT: tl.constexpr,  # weight present: scale dy by it
+    WEIGHT_GRAD: tl.constexpr,  # accumulate dweight (weight present and requiring a gradient)
     BLOCK_D: tl.constexpr,  # power of two >= D
 ):
     pid = tl.program_id(0)
@@ -120,10 +121,10 @@ def _rms_norm_bwd_kernel(
         g = dy * w if HAS_WEIGHT else dy
         dx = (g - xhat * (tl.sum(g * xhat, axis=0) / D)) * rstd
         tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask & (row < row_end))
-        if HAS_WEIGHT:
+        if WEIGHT_GRAD:
             dw_acc += dy * xhat
         row = nxt
-    if HAS_WEIGHT:
+    if WEIGHT_GRAD:
         tl.store(dw_partial_ptr + pid * D + cols, dw_acc, mask=mask)
 
 
@@ -176,31 +177,32 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[
 
 
 def _backward(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, weight_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    weight_grad = weight is not None and weight_grad  # False for a frozen weight: dweight is not computed
     rows, dy_rows = as_rows(x), as_rows(dy)  # (n_rows, D) each
     n_rows, D = rows.shape
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)  # contiguous: the kernel writes it as (n_rows, D)
     if n_rows == 0:
-        return dx, (torch.zeros_like(weight) if weight is not None else dx.new_empty(0))
+        return dx, (torch.zeros_like(weight) if weight_grad else dx.new_empty(0))
     if not use_triton(x, op="rms_norm"):
         rstd = rstd.reshape(-1)  # (n_rows,)
         xhat = rows.float() * rstd[:, None]
         g = dy_rows.float() * (weight.float() if weight is not None else 1.0)
         dx.view(-1, D).copy_((g - xhat * (g * xhat).mean(dim=-1, keepdim=True)) * rstd[:, None])
-        dw = (dy_rows.float() * xhat).sum(0).to(weight.dtype) if weight is not None else dx.new_empty(0)
+        dw = (dy_rows.float() * xhat).sum(0).to(weight.dtype) if weight_grad else dx.new_empty(0)
         return dx, dw
     block_d, _, num_warps = row_block_settings(D, x.element_size())
     programs = persistent_programs(x.device, n_rows)
     rows_per_program = triton.cdiv(n_rows, programs)
     programs = triton.cdiv(n_rows, rows_per_program)
-    dw_partial = torch.empty((programs, D), device=x.device, dtype=torch.float32) if weight is not None else dx
+    dw_partial = torch.empty((programs, D), device=x.device, dtype=torch.float32) if weight_grad else dx
     _rms_norm_bwd_kernel[(programs,)](
         dy_rows, rows, weight if weight is not None else rows, rstd, dx, dw_partial,
         dy_rows.stride(0), rows.stride(0), n_rows, D, rows_per_program,
-        HAS_WEIGHT=weight is not None, BLOCK_D=block_d, num_warps=num_warps,
+        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
-    if weight is None:
+    if not weight_grad:
         return dx, dx.new_empty(0)
     dw = torch.empty(D, device=x.device, dtype=weight.dtype)
     _rms_norm_bwd_finish_kernel[(triton.cdiv(D, _FINISH_BLOCK_D),)](
@@ -225,14 +227,15 @@ def _(x, weight, eps):
 
 @torch.library.custom_op("kernel_lib::rms_norm_bwd", mutates_args=())
 def _rms_norm_bwd_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor, weight_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward(dy, x, weight, rstd)
+    return _backward(dy, x, weight, rstd, weight_grad)
 
 
 @_rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd):
-    return x.new_empty(x.shape), (weight.new_empty(weight.shape) if weight is not None else x.new_empty(0))
+def _(dy, x, weight, rstd, weight_grad):
+    dw = weight.new_empty(weight.shape) if weight is not None and weight_grad else x.new_empty(0)
+    return x.new_empty(x.shape), dw
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,8 +249,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_rule(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd)
-    return dx, (dw if weight is not None else None), None
+    weight_grad = ctx.needs_input_grad[1]
+    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, weight_grad)
+    return dx, (dw if weight is not None and weight_grad else None), None
 
 
 _rms_norm_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -266,8 +270,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(dy, x, weight, rstd)
-        return dx, (dw if weight is not None else None), None
+        weight_grad = ctx.needs_input_grad[1]
+        dx, dw = _backward(dy, x, weight, rstd, weight_grad)
+        return dx, (dw if weight is not None and weight_grad else None), None
 
 
 # --------------------------------------------------------------------------------------------------

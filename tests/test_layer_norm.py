@@ -110,6 +110,23 @@ def test_compiles_without_graph_break(device):
     assert x.grad is not None and w.grad is not None and b.grad is not None
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("frozen", ["weight", "bias", "both"])  # as in fine-tuning with frozen norms
+def test_frozen_parameters_get_no_gradient(device, frozen, compiled):
+    x = torch.randn(6, 40, device=device, requires_grad=True)
+    w = torch.randn(40, device=device, requires_grad=frozen == "bias")
+    b = torch.randn(40, device=device, requires_grad=frozen == "weight")
+    fn = torch.compile(layer_norm, fullgraph=True) if compiled else layer_norm
+    dy = torch.randn(6, 40, device=device)
+    fn(x, w, b).backward(dy)
+    leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, w, b)]
+    layer_norm_ref(*leaves).backward(dy)
+    for got, want in zip((x, w, b), leaves, strict=True):
+        assert (got.grad is None) == (want.grad is None)
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_opcheck(device):
     x, w, b = torch.randn(3, 40, device=device), torch.randn(40, device=device), torch.randn(40, device=device)
     torch.library.opcheck(torch.ops.kernel_lib.layer_norm_fwd.default, (x, w, b, 1e-5))

@@ -116,6 +116,19 @@ def test_compiles_without_graph_break(device):
     assert x.grad is not None and w.grad is not None
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_frozen_weight_gets_no_gradient(device, compiled):  # as in fine-tuning with frozen norms
+    x = torch.randn(6, 40, device=device, requires_grad=True)
+    w = torch.randn(40, device=device)
+    fn = torch.compile(rms_norm, fullgraph=True) if compiled else rms_norm
+    dy = torch.randn(6, 40, device=device)
+    fn(x, w).backward(dy)
+    x_ref = x.detach().requires_grad_()
+    rms_norm_ref(x_ref, w).backward(dy)
+    assert w.grad is None
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_opcheck(device):
     x = torch.randn(3, 40, device=device)
     w = torch.randn(40, device=device)
