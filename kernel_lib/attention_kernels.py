@@ -43,14 +43,22 @@ def _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32: tl.constexpr
 
 
 @triton.jit
+def _sees(key_pos, query_pos, N, M, WINDOW: tl.constexpr, WINDOW_SIZE):
+    """Whether each key sees each query under the causal (and window) mask, bottom-right aligned; key_pos and
+    query_pos come broadcast against each other, so one helper serves both tile orientations."""
+    pos = query_pos + (M - N)
+    visible = key_pos <= pos
+    if WINDOW:
+        visible = visible & (key_pos > pos - WINDOW_SIZE)
+    return visible
+
+
+@triton.jit
 def _mask_scores(s, offs_m, offs_n, N, M, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WINDOW_SIZE):
     """-inf where key offs_n is out of range or not visible to query offs_m (bottom-right aligned)."""
     visible = offs_n[None, :] < M
-    pos = offs_m[:, None] + (M - N)
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= pos)
-    if WINDOW:
-        visible = visible & (offs_n[None, :] > pos - WINDOW_SIZE)
+    if CAUSAL:  # a window comes only with causal (the API checks it)
+        visible = visible & _sees(offs_n[None, :], offs_m[:, None], N, M, WINDOW, WINDOW_SIZE)
     return tl.where(visible, s, float("-inf"))
 
 
@@ -216,17 +224,6 @@ def _attn_bwd_prep_kernel(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(delta_ptr + rows, delta, mask=row_mask)
     tl.store(lse2_ptr + rows, lse2, mask=row_mask)
-
-
-@triton.jit
-def _sees(key_pos, query_pos, N, M, WINDOW: tl.constexpr, WINDOW_SIZE):
-    """Whether each key sees each query under the causal (and window) mask, bottom-right aligned; key_pos and
-    query_pos come broadcast against each other, so one helper serves both tile orientations."""
-    pos = query_pos + (M - N)
-    visible = key_pos <= pos
-    if WINDOW:
-        visible = visible & (key_pos > pos - WINDOW_SIZE)
-    return visible
 
 
 @triton.jit
