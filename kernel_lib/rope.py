@@ -16,6 +16,8 @@ Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021
 GPT-NeoX's and Llama's.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -48,17 +50,15 @@ def rope_cos_sin(n: int, dim: int, base: float = 10000.0, device=None, dtype=tor
 @triton.jit
 def _rope_kernel(
     x_ptr,  # input (B, H, N, D), unit stride along D
-    cos_ptr,  # (N, D/2), unit stride along the last dim
-    sin_ptr,  # (N, D/2), unit stride along the last dim
+    cos_ptr,  # (N, D/2) contiguous
+    sin_ptr,  # (N, D/2) contiguous
     out_ptr,  # output (B, H, N, D) contiguous, x's dtype
     stride_b,  # elements between batches of x
     stride_h,  # elements between heads of x
     stride_n,  # elements between positions of x
-    cos_stride,  # elements between rows of cos
-    sin_stride,  # elements between rows of sin
     H,  # heads
     N,  # positions
-    HALF,  # D / 2
+    HALF: tl.constexpr,  # D / 2, a model constant: compiled in, so the halves' offsets are known
     SIN_SIGN: tl.constexpr,  # 1.0 forward; -1.0 backward (rotation by the opposite angle)
     BLOCK_N: tl.constexpr,  # positions per program
     BLOCK_HALF: tl.constexpr,  # power of two >= D / 2
@@ -71,8 +71,10 @@ def _rope_kernel(
     x_rows = x_ptr + b * stride_b + h * stride_h + n[:, None].to(tl.int64) * stride_n
     x1 = tl.load(x_rows + i[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_rows + HALF + i[None, :], mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + n[:, None] * cos_stride + i[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = SIN_SIGN * tl.load(sin_ptr + n[:, None] * sin_stride + i[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Every (batch, head) program re-reads its block of the tables; they stay in L2. Loading the block once for
+    # several heads measured no faster (benchmarks/NOTES.md).
+    c = tl.load(cos_ptr + n[:, None] * HALF + i[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = SIN_SIGN * tl.load(sin_ptr + n[:, None] * HALF + i[None, :], mask=mask, other=0.0).to(tl.float32)
     out_rows = out_ptr + (bh * N + n[:, None].to(tl.int64)) * (2 * HALF)
     tl.store(out_rows + i[None, :], (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out_rows + HALF + i[None, :], (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
@@ -82,23 +84,31 @@ def _rope_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------------
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    # At model sizes a forward + backward's host time (Python, autograd, two launches) is as long as its GPU time,
+    # so the launcher passes few arguments: each one costs the launcher a specialization check.
     B, H, N, D = x.shape
     out = torch.empty((B, H, N, D), device=x.device, dtype=x.dtype)
     if out.numel() == 0:
         return out
     if not use_triton(x, op="rope"):
         return out.copy_(rope_ref(x, cos, -sin if inverse else sin))
-    if x.stride(-1) != 1:
+    stride_b, stride_h, stride_n, stride_d = x.stride()
+    if stride_d != 1:
         x = x.contiguous()
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+        stride_b, stride_h, stride_n, _ = x.stride()
+    cos = cos if cos.is_contiguous() else cos.contiguous()  # (N, D/2): a small copy, and a rare one
+    sin = sin if sin.is_contiguous() else sin.contiguous()
     half = D // 2
-    grid = (B * H, triton.cdiv(N, BLOCK_N))
-    _rope_kernel[grid](
-        x, cos, sin, out, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0), H, N, half,
-        SIN_SIGN=-1.0 if inverse else 1.0, BLOCK_N=BLOCK_N, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+    _rope_kernel[(B * H, (N + BLOCK_N - 1) // BLOCK_N)](
+        x, cos, sin, out, stride_b, stride_h, stride_n, H, N,
+        HALF=half, SIN_SIGN=-1.0 if inverse else 1.0, BLOCK_N=BLOCK_N, BLOCK_HALF=_block_half(half), num_warps=4,
     )  # fmt: skip
     return out
+
+
+@functools.cache
+def _block_half(half: int) -> int:
+    return triton.next_power_of_2(half)
 
 
 def _table_grads(dy, x, need_cos, need_sin):
@@ -153,7 +163,8 @@ class _Rope(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(x, cos, sin)
+        tables_need_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        ctx.save_for_backward(x if tables_need_grad else None, cos, sin)  # x only for the tables' gradients
         return _rotate(x, cos, sin, inverse=False)
 
     @staticmethod
@@ -187,4 +198,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     check_same_device(x=x, cos=cos, sin=sin)
     if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
         return _rope_op(x, cos, sin, False)
+    if not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)):
+        return _rotate(x, cos, sin, inverse=False)  # inference: no autograd node to build
     return _Rope.apply(x, cos, sin)

@@ -39,6 +39,15 @@ def test_q_and_k_sliced_from_a_fused_projection(device, dtype, atol, rtol):
     check_forward_backward(rope, rope_ref, [q, cos, sin], atol=atol, rtol=rtol, grads=[0])
 
 
+def test_strided_tables_and_a_non_unit_feature_stride(device):
+    N, D = 13, 16
+    x = torch.randn(1, 2, N, 2 * D, device=device)[..., ::2]  # stride 2 along D: the launcher copies it
+    angles = torch.randn(D // 2, N, device=device).t()  # (N, D/2) with stride 1 along N, not along D/2
+    cos, sin = angles.cos(), angles.sin()
+    assert x.stride(-1) == 2 and not cos.is_contiguous()
+    check_forward_backward(rope, rope_ref, [x, cos, sin], atol=1e-5, rtol=1e-5, grads=[0])
+
+
 def test_gradients_of_the_tables(device):
     x = torch.randn(2, 3, 9, 16, device=device)
     angles = torch.randn(9, 8, device=device)
