@@ -115,27 +115,36 @@ def _layer_norm_bwd_kernel(
     HAS_WEIGHT: tl.constexpr,  # weight present: scale dy by it
     WEIGHT_GRAD: tl.constexpr,  # accumulate dweight (weight present and requiring a gradient)
     BIAS_GRAD: tl.constexpr,  # accumulate dbias (bias present and requiring a gradient)
+    WIDE: tl.constexpr,  # rows too wide to hold twice in registers: no prefetch, weight re-read each row
     BLOCK_D: tl.constexpr,  # power of two >= D
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    if HAS_WEIGHT:
+    if HAS_WEIGHT and not WIDE:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     row = pid.to(tl.int64) * rows_per_program  # int64: row * stride overflows int32 past 2**31 elements
     row_end = tl.minimum(row + rows_per_program, n_rows)  # the last program's share may run past the end
     # The next row's loads are issued before this row's reductions (software pipelining by hand; measured on an
-    # H200, D = 4096: 0.261 ms against 0.337 ms without; NOTES.md).
-    x_next = tl.load(x_ptr + row * x_row_stride + cols, mask=mask & (row < row_end), other=0.0)
-    dy_next = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask & (row < row_end), other=0.0)
+    # H200, D = 4096: 0.261 ms against 0.337 ms without; NOTES.md). A wide row (D > WIDE_ROW) cannot be held
+    # twice: the registers spill.
+    if not WIDE:
+        x_next = tl.load(x_ptr + row * x_row_stride + cols, mask=mask & (row < row_end), other=0.0)
+        dy_next = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask & (row < row_end), other=0.0)
     for _ in range(0, rows_per_program):
-        x = x_next.to(tl.float32)
-        dy = dy_next.to(tl.float32)
         nxt = row + 1
-        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < row_end), other=0.0)
-        dy_next = tl.load(dy_ptr + nxt * dy_row_stride + cols, mask=mask & (nxt < row_end), other=0.0)
+        if WIDE:
+            x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask & (row < row_end), other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask & (row < row_end), other=0.0).to(tl.float32)
+            if HAS_WEIGHT:  # from L1 or L2: one row of registers fewer
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < row_end), other=0.0)
+            dy_next = tl.load(dy_ptr + nxt * dy_row_stride + cols, mask=mask & (nxt < row_end), other=0.0)
         row_mask = mask & (row < row_end)
         mean = tl.load(mean_ptr + row, mask=row < row_end, other=0.0)
         rstd = tl.load(rstd_ptr + row, mask=row < row_end, other=0.0)
@@ -192,6 +201,9 @@ def _layer_norm_bwd_finish_kernel(
 # The finish kernel's tile: partial rows per loop step, columns per program. The best of 8 tiles tried on an H100
 # (528 programs, D = 4096): 4.8 µs for dweight and dbias, against 20.2 µs for PyTorch's sum(0).to(dtype) of each.
 _FINISH_BLOCK_P, _FINISH_BLOCK_D = 128, 16
+# Rows wider than this run the backward's WIDE loop (no prefetch, weight re-read): at D = 16384 on an H200 the
+# prefetching loop spilled registers (benchmarks/explore_wide_norms.py).
+WIDE_ROW = 8192
 
 
 def _forward(x, weight, bias, eps):
@@ -248,8 +260,8 @@ def _backward(dy, x, weight, bias, mean, rstd, weight_grad=True, bias_grad=True)
     _layer_norm_bwd_kernel[(programs,)](
         dy_rows, rows, weight if weight is not None else rows, mean, rstd, dx, partial,
         dy_rows.stride(0), rows.stride(0), n_rows, D, 1.0 / D, rows_per_program,
-        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, BLOCK_D=block_d,
-        num_warps=num_warps,
+        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, WIDE=block_d > WIDE_ROW,
+        BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
     dw = torch.empty(D, device=x.device, dtype=weight.dtype) if weight_grad else dx.new_empty(0)
     db = torch.empty(D, device=x.device, dtype=bias.dtype) if bias_grad else dx.new_empty(0)

@@ -1,5 +1,7 @@
 """kernel_lib.layer_norm against float64, forward and all three gradients, plus compile, op checks and bad input."""
 
+import importlib
+
 import pytest
 import torch
 import triton
@@ -14,6 +16,8 @@ from kernel_lib.layer_norm import (
 )
 from tests._checks import check_forward_backward, rows_input
 
+norm_module = importlib.import_module("kernel_lib.layer_norm")  # not the function of that name
+
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
     pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
     pytest.param(torch.float16, 1e-3, 0.0, id="fp16"),
@@ -27,6 +31,7 @@ SHAPES = [
     (7, 4096),  # a model-sized row
     (4, 5121),  # wide and odd: masked tail of an 8192 block
     (257, 64),  # narrow rows packed several to a program; 257 not a multiple of the pack
+    (2, 16385),  # wider than WIDE_ROW: the backward's loop without prefetch, weight re-read each row
 ]
 
 
@@ -59,6 +64,14 @@ def test_partial_affine(device, dtype, atol, rtol, affine):
     x, w, b = _inputs((9, 200), dtype, device)
     w = w if affine == "weight only" else None
     b = b if affine == "bias only" else None
+    check_forward_backward(layer_norm, layer_norm_ref, [x, w, b, 1e-5], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_wide_loop_over_many_rows_per_program(device, monkeypatch, dtype, atol, rtol):
+    # WIDE_ROW lowered so that small rows take the wide loop, with many rows per program and a ragged last share
+    monkeypatch.setattr(norm_module, "WIDE_ROW", 16)
+    x, w, b = _inputs((203, 100), dtype, device)
     check_forward_backward(layer_norm, layer_norm_ref, [x, w, b, 1e-5], atol=atol, rtol=rtol)
 
 

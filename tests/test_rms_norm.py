@@ -1,5 +1,7 @@
 """kernel_lib.rms_norm against float64, forward and both gradients, plus compile, op checks and bad input."""
 
+import importlib
+
 import pytest
 import torch
 import triton
@@ -14,6 +16,8 @@ from kernel_lib.rms_norm import (
 )
 from tests._checks import check_forward_backward, rows_input
 
+norm_module = importlib.import_module("kernel_lib.rms_norm")  # not the function of that name
+
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
     pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
     pytest.param(torch.float16, 1e-3, 0.0, id="fp16"),
@@ -27,6 +31,7 @@ SHAPES = [
     (7, 4096),  # a model-sized row, one row per program
     (4, 5121),  # wide and odd: masked tail of an 8192 block
     (257, 64),  # narrow rows packed several to a program; 257 not a multiple of the pack
+    (2, 16385),  # wider than WIDE_ROW: the backward's loop without prefetch, weight re-read each row
 ]
 
 
@@ -56,6 +61,14 @@ def test_non_contiguous(device, layout, dtype, atol, rtol):
 def test_without_weight_and_large_eps(device, dtype, atol, rtol):
     x, _ = _inputs((9, 200), dtype, device, weight=False)
     check_forward_backward(rms_norm, rms_norm_ref, [x, None, 0.5], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_wide_loop_over_many_rows_per_program(device, monkeypatch, dtype, atol, rtol):
+    # WIDE_ROW lowered so that small rows take the wide loop, with many rows per program and a ragged last share
+    monkeypatch.setattr(norm_module, "WIDE_ROW", 16)
+    x, w = _inputs((203, 100), dtype, device)
+    check_forward_backward(rms_norm, rms_norm_ref, [x, w, 1e-6], atol=atol, rtol=rtol)
 
 
 FINISH_SHAPES = [  # (programs, D) of the backward kernel's partial sums
