@@ -205,6 +205,9 @@ def _backward(
         dw = (dy_rows.float() * xhat).sum(0).to(weight.dtype) if weight_grad else dx.new_empty(0)
         return dx, dw
     block_d, _, num_warps = row_block_settings(D, x.element_size())
+    wide = block_d > WIDE_ROW
+    if wide:  # 8 warps measured fastest for the wide loop (H200, D = 16384: 0.248 ms; 16 warps 0.300 ms)
+        num_warps = min(num_warps, 8)
     programs = persistent_programs(x.device, n_rows)
     rows_per_program = triton.cdiv(n_rows, programs)
     programs = triton.cdiv(n_rows, rows_per_program)
@@ -212,7 +215,7 @@ def _backward(
     _rms_norm_bwd_kernel[(programs,)](
         dy_rows, rows, weight if weight is not None else rows, rstd, dx, dw_partial,
         dy_rows.stride(0), rows.stride(0), n_rows, D, rows_per_program,
-        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, WIDE=block_d > WIDE_ROW, BLOCK_D=block_d,
+        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, WIDE=wide, BLOCK_D=block_d,
         num_warps=num_warps,
     )  # fmt: skip
     if not weight_grad:
