@@ -27,6 +27,10 @@ PY ?= 3.12
 WHEELHOUSE ?=
 JUPYTER_PACKAGES := nbval nbclient nbformat ipykernel ipywidgets tqdm
 
+# Inductor's on-disk graph cache is keyed by the traced graph, not by the custom ops' schemas: a cache left by an
+# older checkout can replay a graph that calls an op with its old arguments. Each checkout keeps its own.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/_build/torchinductor
+
 NOTEBOOKS ?= $(sort $(wildcard notebooks/*.ipynb))
 SANITIZE := tests/nbval_sanitize.cfg
 NBVAL = --nbval --nbval-current-env --nbval-sanitize-with $(SANITIZE) --nbval-cell-timeout 1800 -p no:cacheprovider

@@ -3,14 +3,14 @@
 An experiment log: cProfile over 200 steps of kernel_lib.rms_norm at 32768 x 4096 bf16, top functions by own time.
 """
 
-import cProfile
 import os
-import pstats
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from explore_host_norms import profile_steps  # noqa: E402  (this folder is on sys.path when run as a script)
 
 import kernel_lib  # noqa: E402
 
@@ -26,10 +26,4 @@ def step():
 for _ in range(10):
     step()
 torch.cuda.synchronize()
-profiler = cProfile.Profile()
-profiler.enable()
-for _ in range(200):
-    step()
-    torch.cuda.synchronize()
-profiler.disable()
-pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+profile_steps(step, top=25)

@@ -46,6 +46,17 @@ def graph_ms(fn, repeats=5):
     return bench.time_fn(replay, **TIMING).median_ms / repeats
 
 
+def profile_steps(step, steps=200, top=15):
+    """cProfile of ``steps`` calls of step(), each drained, printed: the top functions by own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+        torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def main() -> int:
     env = bench.environment()
     print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | {env['timestamp']}")
@@ -59,7 +70,11 @@ def main() -> int:
     }
     print(f"{'step (fwd + bwd)':36s} {'as called':>10s} {'host':>10s} {'graph':>10s}   (ms)")
     for op, (ours, reference, inputs) in ops.items():
-        for impl, fn in (("kernel_lib", ours), ("torch.compile(ref)", torch.compile(reference, dynamic=False))):
+        compiled = torch.compile(reference, dynamic=False)
+        for got, want in zip(torch.autograd.grad(ours(*inputs), inputs, dy),
+                             torch.autograd.grad(compiled(*inputs), inputs, dy), strict=True):  # fmt: skip
+            torch.testing.assert_close(got, want, atol=1e-1, rtol=2e-2)  # the two steps agree before they are timed
+        for impl, fn in (("kernel_lib", ours), ("torch.compile(ref)", compiled)):
 
             def step(fn=fn, inputs=inputs):
                 return torch.autograd.grad(fn(*inputs), inputs, dy)
@@ -68,13 +83,7 @@ def main() -> int:
             print(f"{op + ' ' + impl:36s} {called:10.3f} {host_ms(step):10.3f} {graph_ms(step):10.3f}")
     for op, (ours, _, inputs) in ops.items():
         print(f"\n== cProfile, 200 steps of kernel_lib.{op}, top 15 by own time")
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(200):
-            torch.autograd.grad(ours(*inputs), inputs, dy)
-            torch.cuda.synchronize()
-        profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+        profile_steps(lambda ours=ours, inputs=inputs: torch.autograd.grad(ours(*inputs), inputs, dy))
     return 0
 
 

@@ -7,12 +7,13 @@ RoPE, x of 2^27 elements, (B, H, N, D) = (4, 32, 2^27 / (4 * 32 * D), D), stride
 projection (forward) or contiguous (the backward's dy):
   shipped            kernel_lib's kernel: one (batch, head) and 16 positions per program, 4 warps; every program
                      reads its own copy of its cos/sin block (float32) from L2
-  before             the same kernel before its launch arguments were cut from 12 to 9
   ph_n{N}_w{W}       the same kernel, N positions per program, W warps
   heads_n{N}_h{H}_w{W}  N positions and H heads per program: the cos/sin block loaded once and used for H heads
 Then forward + backward through autograd against torch.compile of the reference: as called, the host's time to
 issue one step, and the GPU time from a CUDA graph; and where the host's time goes (--parts host): the median
-host time of each layer of one call, and a cProfile of 200 steps.
+host time of each layer of one call, and a cProfile of 200 steps (the timers and the profile are
+explore_host_norms.py's). The run recorded in NOTES.md also timed the launch of the kernel before its arguments
+were cut from 12 to 9 (commit f5931f8's kernel_lib/rope.py); it measured the same.
 
 Cross-entropy forward, T = 8192, V = 128256:
   shipped          kernel_lib's kernel: the next block's load issued before this block's reductions
@@ -27,13 +28,14 @@ import argparse
 import importlib
 import os
 import sys
-import time
 
 import torch
 import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from explore_host_norms import graph_ms, host_ms, profile_steps  # noqa: E402  (this folder is on sys.path)
 
 from kernel_lib import bench  # noqa: E402
 
@@ -81,38 +83,12 @@ def _rope_heads(
         tl.store(out_head + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=head_mask)
 
 
-@triton.jit
-def _rope_before(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, stride_b, stride_h, stride_n, cos_stride, sin_stride, H, N, HALF,
-    SIN_SIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):  # fmt: skip
-    # kernel_lib's kernel before its table strides were dropped and HALF made a constexpr (12 runtime arguments)
-    bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // H, bh % H
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    i = tl.arange(0, BLOCK_HALF)
-    mask = (n[:, None] < N) & (i[None, :] < HALF)
-    x_rows = x_ptr + b * stride_b + h * stride_h + n[:, None].to(tl.int64) * stride_n
-    x1 = tl.load(x_rows + i[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_rows + HALF + i[None, :], mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + n[:, None] * cos_stride + i[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = SIN_SIGN * tl.load(sin_ptr + n[:, None] * sin_stride + i[None, :], mask=mask, other=0.0).to(tl.float32)
-    out_rows = out_ptr + (bh * N + n[:, None].to(tl.int64)) * (2 * HALF)
-    tl.store(out_rows + i[None, :], (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_rows + HALF + i[None, :], (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def rope_variant(name, x, cos, sin, inverse=False):
     B, H, N, D = x.shape
     out = torch.empty((B, H, N, D), device=x.device, dtype=x.dtype)
     half = D // 2
     args = (x, cos, sin, out, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0), H, N, half)
     sign = -1.0 if inverse else 1.0
-    if name == "before":
-        _rope_before[(B * H, triton.cdiv(N, 16))](
-            *args, SIN_SIGN=sign, BLOCK_N=16, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4
-        )
-        return out
     if name == "shipped":
         return rope_mod._rotate(x, cos, sin, inverse)
     if name.startswith("ph_"):
@@ -129,23 +105,6 @@ def rope_variant(name, x, cos, sin, inverse=False):
         num_warps=warps,
     )  # fmt: skip
     return out
-
-
-def host_ms(fn, reps=50):
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
-    samples.sort()
-    return 1e3 * samples[len(samples) // 2]
-
-
-def graph_ms(fn, repeats=5):
-    return bench.time_fn(bench.repeat_in_graph(fn, repeats)).median_ms / repeats
 
 
 def explore_rope(head_dims, variants):
@@ -183,6 +142,11 @@ def explore_rope(head_dims, variants):
     dy = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(rope_mod.rope_ref, dynamic=False)
     impls = {"compiled reference": compiled, "kernel_lib": rope_mod.rope}
+    x64 = x.detach().double().requires_grad_(True)
+    want_dx = torch.autograd.grad(rope_mod.rope_ref(x64, cos.double(), sin.double()), [x64], dy.double())[0]
+    for impl, fn in impls.items():  # both gradients against float64 before anything is timed
+        torch.testing.assert_close(torch.autograd.grad(fn(x, cos, sin), [x], dy)[0].double(), want_dx,
+                                   atol=2e-2, rtol=2e-2, msg=f"rope fwd+bwd {impl}")  # fmt: skip
     for round_ in range(3):
         for impl, fn in impls.items():
 
@@ -340,12 +304,6 @@ def explore_host():
             SIN_SIGN=1.0, BLOCK_N=rope_mod.BLOCK_N, BLOCK_HALF=D // 2, num_warps=4,
         )  # fmt: skip
 
-    def launch_before():
-        _rope_before[grid](
-            x_plain, cos, sin, out, x_plain.stride(0), x_plain.stride(1), x_plain.stride(2), cos.stride(0),
-            sin.stride(0), H, N, D // 2, SIN_SIGN=1.0, BLOCK_N=rope_mod.BLOCK_N, BLOCK_HALF=D // 2, num_warps=4,
-        )  # fmt: skip
-
     def step():
         return torch.autograd.grad(rope_mod.rope(x, cos, sin), [x], dy)
 
@@ -353,7 +311,6 @@ def explore_host():
         "an empty Python call": lambda: None,
         "torch.empty of the output": lambda: torch.empty(B, H, N, D, device="cuda", dtype=torch.bfloat16),
         "the kernel launch alone": launch,
-        "the launch with 12 runtime arguments (before)": launch_before,
         "_rotate (allocation, checks, launch)": lambda: rope_mod._rotate(x_plain, cos, sin, False),
         "rope(), x without grad": lambda: rope_mod.rope(x_plain, cos, sin),
         "rope(), x with grad (forward only)": lambda: rope_mod.rope(x, cos, sin),
@@ -364,16 +321,7 @@ def explore_host():
         micros = 1e3 * host_ms(fn, reps=300)
         ROWS.append({"case": "rope host", "variant": name, "host us": micros})
         print(f"rope host  {name:42s} {micros:8.1f} us", flush=True)
-    import cProfile
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(200):
-        step()
-        torch.cuda.synchronize()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    profile_steps(step, top=18)
 
 
 def main() -> int:
@@ -383,7 +331,7 @@ def main() -> int:
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument(
         "--rope-variants",
-        default="before,shipped,ph_n32_w4,ph_n16_w2,heads_n16_h8_w4",
+        default="shipped,ph_n32_w4,ph_n16_w2,heads_n16_h8_w4",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():

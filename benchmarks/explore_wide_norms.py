@@ -71,7 +71,7 @@ def explore(op, D, variants):
         bias = torch.randn(D, device="cuda", dtype=torch.bfloat16)
         _, mean, rstd = ln_mod._forward(x, w, bias, 1e-5)
         stats = (mean, rstd)
-        want_dx = ln_mod._backward(dy, x, w, bias, mean, rstd)[0]
+        want_dx, want_dw, want_db = ln_mod._backward(dy, x, w, bias, mean, rstd)
     nbytes = 3 * x.numel() * x.element_size()
     _, _, shipped_warps = row_block_settings(D, x.element_size())
     for variant in variants:
@@ -81,8 +81,9 @@ def explore(op, D, variants):
         try:
             kernel, dx, partial = launch(op, kind, warps, per_sm, (x, dy, w, stats))
             torch.testing.assert_close(dx, want_dx, atol=2e-2, rtol=2e-2)
-            if op == "rms_norm":
-                torch.testing.assert_close(partial[0].sum(0).to(w.dtype), want_dw, atol=1e-1, rtol=2e-2)
+            torch.testing.assert_close(partial[0].sum(0).to(w.dtype), want_dw, atol=1e-1, rtol=2e-2)
+            if op == "layer_norm":
+                torch.testing.assert_close(partial[1].sum(0).to(w.dtype), want_db, atol=1e-1, rtol=2e-2)
         except Exception as error:  # noqa: BLE001 - an experiment: report and go on
             print(f"{op} D={D} {variant}: FAILED {type(error).__name__}: {str(error)[:160]}", flush=True)
             continue
@@ -98,6 +99,9 @@ def explore(op, D, variants):
     ref = rms_mod.rms_norm_ref if op == "rms_norm" else ln_mod.layer_norm_ref
     compiled = torch.compile(ref, dynamic=False)
     ours = rms_mod.rms_norm if op == "rms_norm" else ln_mod.layer_norm
+    for got, want in zip(torch.autograd.grad(ours(*leaves), leaves, dy),
+                         torch.autograd.grad(compiled(*leaves), leaves, dy), strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-1, rtol=2e-2)  # the two steps agree before they are timed
     for impl, fn in [("compiled reference", compiled), ("kernel_lib", ours)]:
 
         def step(fn=fn):

@@ -100,14 +100,10 @@ def check_shape(x: torch.Tensor, name: str, shape: Sequence[int]) -> None:
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     """Raise ValueError if the given tensors (None skipped) are not all on one device; return it."""
     devices = [t.device for t in tensors.values() if t is not None]
-    if all(d == devices[0] for d in devices):  # the common case, without building the message's dicts
+    if all(d == devices[0] for d in devices):
         return devices[0]
-    named = {k: v for k, v in tensors.items() if v is not None}
-    devices = {k: v.device for k, v in named.items()}
-    if len(set(devices.values())) > 1:
-        listing = ", ".join(f"{k} on {d}" for k, d in devices.items())
-        raise ValueError(f"tensors must be on one device, got {listing}")
-    return next(iter(devices.values()))
+    listing = ", ".join(f"{k} on {t.device}" for k, t in tensors.items() if t is not None)
+    raise ValueError(f"tensors must be on one device, got {listing}")
 
 
 def check_same_dtype(**tensors: torch.Tensor | None) -> torch.dtype:

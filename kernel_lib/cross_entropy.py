@@ -11,11 +11,12 @@ and its gradient, scaled by the upstream gradient of that row::
 
 The forward reads the logits once and writes three floats per row: the loss, and for the backward the row's
 maximum m and log(sum_i exp(x_i - m)), kept apart rather than summed into lse because at large magnitudes lse's
-rounding (half an ulp of |lse|: 1.2e-4 at 3000) would become the gradient's relative error (measured: 2 of 40
-float32 test draws of 1000-scale logits failed the 2x rule that way). The backward reads the logits once more
-and writes the gradient once, in the logits' dtype. ``F.cross_entropy(logits.float(), t)`` instead writes a
-float32 copy of the logits and its log-softmax. Rows whose target is ``ignore_index`` get loss 0 and gradient 0;
-a target outside [0, V) gives a NaN loss for its row (no host synchronization is spent checking targets).
+rounding (half an ulp of |lse|: 1.2e-4 at 3000) would become the gradient's relative error (on the CPU, 7 of 40
+float32 test draws of 1000-scale logits failed the 2x rule that way; benchmarks/NOTES.md). The backward reads the
+logits once more and writes the gradient once, in the logits' dtype. ``F.cross_entropy(logits.float(), t)``
+instead writes a float32 copy of the logits and its log-softmax. Rows whose target is ``ignore_index`` get loss 0
+and gradient 0; a target outside [0, V) gives a NaN loss for its row (no host synchronization is spent checking
+targets).
 The reduction (mean over the rows that are not ignored, sum, or none) is plain PyTorch on the (T,) row losses,
 so autograd hands the kernel one upstream gradient per row whatever the reduction; all rows ignored with
 ``reduction="mean"`` gives NaN, as in PyTorch.

@@ -163,7 +163,7 @@ def _rms_norm_bwd_finish_kernel(
 # (528 programs, D = 4096): 3.9 µs, against 10.2 µs for PyTorch's dw_partial.sum(0).to(dtype).
 _FINISH_BLOCK_P, _FINISH_BLOCK_D = 128, 16
 # Rows wider than this run the backward's WIDE loop (no prefetch, weight re-read): at D = 16384 on an H200 the
-# prefetching loop spilled registers and took 3.6 ms, the WIDE loop 0.28 ms (benchmarks/explore_wide_norms.py).
+# prefetching loop spilled registers and took 3.6 ms, the WIDE loop 0.25 ms (benchmarks/explore_wide_norms.py).
 WIDE_ROW = 8192
 
 

@@ -84,8 +84,8 @@ def _rope_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------------
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    # At model sizes a forward + backward's host time (Python, autograd, two launches) is as long as its GPU time,
-    # so the launcher passes few arguments: each one costs the launcher a specialization check.
+    # The tables are made contiguous, so the kernel indexes them by D/2, a compile-time constant. (Dropping their
+    # two stride arguments did not make the launch measurably cheaper: benchmarks/NOTES.md.)
     B, H, N, D = x.shape
     out = torch.empty((B, H, N, D), device=x.device, dtype=x.dtype)
     if out.numel() == 0:
