@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernel_lib import attention_kernels
-from kernel_lib.attention import MultiHeadAttention, _visible, attention_ref, flash_attention
+from kernel_lib.ops import attention as attention_module
+from kernel_lib.ops._utils import meta
+from kernel_lib.ops.attention import MultiHeadAttention, _visible, attention_ref, flash_attention
 from tests._checks import check_forward_backward
 
 DTYPES = [  # (dtype, atol): allowance on top of 2x PyTorch's own error in that dtype
@@ -77,10 +78,8 @@ SPLIT_CASES = [  # (B, Hq, Hkv, N, M, causal, window): where the split of each k
 def test_backward_with_other_tile_shapes(device, monkeypatch, B, Hq, Hkv, N, M, causal, window, block_q, block_k):
     # The backward kernels mask only the tiles on the mask's edge; the tests above run one tile shape (32 x 32
     # when interpreted), so the split is checked here with tiles of unequal sides.
-    for kernel in (attention_kernels._attn_bwd_dkdv_kernel, attention_kernels._attn_bwd_dq_kernel):
-        config = triton.Config({"BLOCK_M": block_q, "BLOCK_N": block_k}, num_warps=4, num_stages=2)
-        monkeypatch.setattr(kernel, "configs", [config])
-        monkeypatch.setattr(kernel, "cache", {})  # the autotuner's choice for an earlier test's shape
+    config = triton.Config({"BLOCK_M": block_q, "BLOCK_N": block_k}, num_warps=4, num_stages=2)
+    monkeypatch.setattr(attention_module, "pick_config", lambda *args: meta(config))  # every kernel takes this tile
     q, k, v = _qkv(B, Hq, Hkv, N, M, 32, torch.float16, device)
     kernel = functools.partial(flash_attention, causal=causal, window=window)
     reference = functools.partial(attention_ref, causal=causal, window=window)
@@ -131,7 +130,7 @@ def test_module_matches_its_reference(device):
     torch.manual_seed(0)
     module = MultiHeadAttention(64, n_heads=4, n_kv_heads=2, causal=True, rope=True, device=device).half()
     x = torch.randn(2, 24, 64, device=device).half()
-    from kernel_lib.rope import rope_cos_sin, rope_ref
+    from kernel_lib.ops.rope import rope_cos_sin, rope_ref
 
     q, k, v = module.qkv(x).split([64, 32, 32], dim=-1)
     q = q.view(2, 24, 4, 16).transpose(1, 2)

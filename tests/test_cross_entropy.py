@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from kernel_lib.cross_entropy import cross_entropy, cross_entropy_ref
+from kernel_lib.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from tests._checks import check_forward_backward
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype

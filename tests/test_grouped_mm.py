@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernel_lib.grouped_mm import grouped_mm, grouped_mm_ref
+from kernel_lib.ops.grouped_mm import grouped_mm, grouped_mm_ref
 from tests._checks import check_forward_backward
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype

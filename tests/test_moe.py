@@ -4,7 +4,7 @@ parameter, router included."""
 import pytest
 import torch
 
-from kernel_lib.moe import MoE, moe_ref
+from kernel_lib.ops.moe import MoE, moe_ref
 from kernel_lib.validate import check, report
 
 
@@ -89,7 +89,7 @@ def test_bad_input_is_named():
 )
 def test_permutation_kernels(device, dtype, atol, tokens, k, width):
     """The dispatch (gather by expert) and the weighted combine against plain indexing in float64, with gradients."""
-    from kernel_lib.moe import _Combine, _Dispatch
+    from kernel_lib.ops.moe import _Combine, _Dispatch
 
     torch.manual_seed(tokens * k)
     order = torch.randperm(tokens * k, device=device)  # any permutation stands in for the sort by expert

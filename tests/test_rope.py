@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernel_lib.rope import rope, rope_cos_sin, rope_ref
+from kernel_lib.ops.rope import rope, rope_cos_sin, rope_ref
 from tests._checks import check_forward_backward
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype

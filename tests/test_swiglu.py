@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from kernel_lib.swiglu import geglu, geglu_ref, swiglu, swiglu_ref
+from kernel_lib.ops.swiglu import geglu, geglu_ref, swiglu, swiglu_ref
 from tests._checks import check_forward_backward
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
@@ -63,7 +63,7 @@ def test_transposed_and_large_magnitude(device, dtype, atol, rtol):
 
 @pytest.mark.parametrize("kernel, reference", OPS)
 def test_cpu_without_interpreter_falls_back_to_the_reference(monkeypatch, kernel, reference):
-    from kernel_lib import _utils
+    from kernel_lib.ops import _utils
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(_utils, "_warned", set())

@@ -1,5 +1,7 @@
-"""kernel_lib._utils: where kernels run, input checks, configs (and one real Triton kernel using them)."""
+"""kernel_lib.ops._utils: where kernels run, input checks, configs (and one real Triton kernel using them)."""
 
+import json
+import types
 import warnings
 
 import pytest
@@ -7,14 +9,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_lib import _utils
-from kernel_lib._utils import (
+from kernel_lib.ops import _utils
+from kernel_lib.ops._utils import (
     as_rows,
+    autotune_requested,
     check_same_device,
     check_same_dtype,
     check_shape,
     check_tensor,
-    configs_for_autotune,
+    launch_or_op,
+    meta,
+    persist_choices,
+    pick_config,
     prune_by_shared_memory,
     use_triton,
 )
@@ -107,18 +113,82 @@ def test_use_triton_rejects_other_devices():
         use_triton(torch.ones(2, device="meta"), op="demo")
 
 
-def test_configs_for_autotune(monkeypatch):
-    configs = [triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})]
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert configs_for_autotune(configs) == configs[:1]
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert configs_for_autotune(configs) == configs
-    with pytest.raises(ValueError, match="empty"):
-        configs_for_autotune([])
-
-
 def _smem(config, args):
     return config.kwargs["BLOCK"] * 4 * config.num_stages
+
+
+def test_pick_config_takes_the_first_preferred_that_fits(monkeypatch):
+    big, mid, small = (
+        triton.Config({"BLOCK": b}, num_warps=w, num_stages=2) for b, w in ((16384, 8), (4096, 4), (64, 1))
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_utils, "device_index_of", lambda args: 0)
+    monkeypatch.setattr(_utils, "shared_memory_limit", lambda index: 99 * 1024)  # a consumer GPU's 99 KB
+    assert pick_config([big, mid], small, _smem, {}) == {"BLOCK": 4096, "num_warps": 4, "num_stages": 2}
+    monkeypatch.setattr(_utils, "shared_memory_limit", lambda index: 227 * 1024)  # an H100's
+    assert pick_config([big, mid], small, _smem, {})["BLOCK"] == 16384
+    monkeypatch.setattr(_utils, "shared_memory_limit", lambda index: 1024)  # nothing preferred fits
+    assert pick_config([big, mid], small, _smem, {})["BLOCK"] == 64
+
+
+def test_pick_config_interpreted_takes_the_smallest(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    small = triton.Config({"BLOCK": 64}, num_warps=1, num_stages=1)
+    assert pick_config([triton.Config({"BLOCK": 4096})], small, _smem, {}) == meta(small)
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("on", True), ("0", False), ("", False)])
+def test_autotune_requested(monkeypatch, value, expected):
+    monkeypatch.setenv("KERNEL_LIB_AUTOTUNE", value)
+    assert autotune_requested() is expected
+
+
+def test_launch_or_op_is_the_launcher_in_eager_mode():
+    launcher, op = (lambda: "launcher"), (lambda: "op")
+    assert launch_or_op(launcher, op) is launcher
+
+
+class _FakeTuner:
+    """What persist_choices touches of a triton.autotune object: fn, configs, cache, run (which tunes once per key)."""
+
+    def __init__(self, configs):
+        self.fn = types.SimpleNamespace(__name__="_demo_kernel", src="def _demo_kernel(): pass")
+        self.configs, self.cache, self.tunings = configs, {}, 0
+
+    def run(self, *args, key=(1024, "torch.float16"), **kwargs):
+        if key not in self.cache:
+            self.tunings += 1
+            self.cache[key] = self.configs[-1]
+        return self.cache[key]
+
+
+def test_persist_choices_survives_a_new_process(monkeypatch, tmp_path):
+    monkeypatch.setenv("KERNEL_LIB_CACHE_DIR", str(tmp_path))
+    configs = [
+        triton.Config({"BLOCK": 64}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK": 256}, num_warps=8, num_stages=3),
+    ]
+    first = persist_choices(_FakeTuner(configs))
+    first.run(key=(1024, "torch.float16"))
+    files = list((tmp_path / "autotune").glob("_demo_kernel-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())[0]["kwargs"] == {"BLOCK": 256}
+    second = persist_choices(_FakeTuner(configs))  # a fresh tuner, as in a new process
+    chosen = second.run(key=(1024, "torch.float16"))
+    assert second.tunings == 0 and chosen.kwargs == {"BLOCK": 256} and chosen.num_warps == 8
+    second.run(key=(2048, "torch.float16"))  # a new key is tuned and added to the same file
+    assert second.tunings == 1 and len(json.loads(files[0].read_text())) == 2
+
+
+def test_persist_choices_ignores_a_file_that_is_not_ours(monkeypatch, tmp_path):
+    monkeypatch.setenv("KERNEL_LIB_CACHE_DIR", str(tmp_path))
+    configs = [triton.Config({"BLOCK": 64})]
+    tuner = persist_choices(_FakeTuner(configs))
+    tuner.run()
+    path = next((tmp_path / "autotune").glob("*.json"))
+    path.write_text("{not json")
+    fresh = persist_choices(_FakeTuner(configs))
+    fresh.run()
+    assert fresh.tunings == 1
 
 
 def test_prune_by_shared_memory_keeps_what_fits(monkeypatch):
@@ -144,11 +214,6 @@ def test_shared_memory_limit_on_this_gpu():
 
 
 # ------------------------------------------------------------- a real kernel built with these helpers
-@triton.autotune(
-    configs=configs_for_autotune([triton.Config({"BLOCK": 128}, num_warps=4), triton.Config({"BLOCK": 1024})]),
-    key=["n"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c, a: c.kwargs["BLOCK"] * 8)},
-)
 @triton.jit
 def _scaled_add_kernel(
     x_ptr,  # first input, n elements
@@ -172,7 +237,9 @@ def test_a_triton_kernel_runs_through_the_helpers(device, n):
     x, y = random_inputs((n,), (n,), device=device)
     assert use_triton(x, y, op="scaled_add")
     out = poisoned_like(x)
-    _scaled_add_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, out, 0.5, n)
+    small, large = triton.Config({"BLOCK": 128}, num_warps=4, num_stages=1), triton.Config({"BLOCK": 1024})
+    config = pick_config([large], small, lambda c, a: c.kwargs["BLOCK"] * 8, {"x": x})
+    _scaled_add_kernel[(triton.cdiv(n, config["BLOCK"]),)](x, y, out, 0.5, n, **config)
     assert_all_written(out)
     torch.testing.assert_close(out, x + 0.5 * y)
 

@@ -10,8 +10,8 @@ opposite angle: the same kernel with sin negated. The kernel reads x once (and t
 stay in cache) and writes out once; eager PyTorch materializes the two halves, their products and a concatenation.
 Gradients for cos and sin (rarely trained) are computed with plain PyTorch when they require grad.
 
-Registered as the ``kernel_lib::rope`` custom op with a fake implementation and autograd, so
-``torch.compile(fullgraph=True)`` traces through it; eager calls use a plain ``torch.autograd.Function``. Source:
+Registered as the ``kernel_lib::rope`` custom op with a fake implementation, which the one
+``autograd.Function`` calls under torch.compile, so ``torch.compile(fullgraph=True)`` traces through it. Source:
 Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021); the rotate-half layout is
 GPT-NeoX's and Llama's.
 """
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_same_device, check_shape, check_tensor, use_triton
+from ._utils import check_same_device, check_shape, check_tensor, launch_or_op, use_triton
 
 __all__ = ["rope", "rope_ref", "rope_cos_sin"]
 
@@ -84,14 +84,11 @@ def _rope_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------------
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    # The tables are made contiguous, so the kernel indexes them by D/2, a compile-time constant. (Dropping their
-    # two stride arguments did not make the launch measurably cheaper: benchmarks/NOTES.md.)
+    # The tables are made contiguous, so the kernel indexes them by D/2, a compile-time constant.
     B, H, N, D = x.shape
     out = torch.empty((B, H, N, D), device=x.device, dtype=x.dtype)
     if out.numel() == 0:
         return out
-    if not use_triton(x, op="rope"):
-        return out.copy_(rope_ref(x, cos, -sin if inverse else sin))
     stride_b, stride_h, stride_n, stride_d = x.stride()
     if stride_d != 1:
         x = x.contiguous()
@@ -113,8 +110,8 @@ def _block_half(half: int) -> int:
 
 def _table_grads(dy, x, need_cos, need_sin):
     """dcos = sum over B, H of dy1 x1 + dy2 x2;  dsin = sum over B, H of x1 dy2 - x2 dy1 (float32)."""
-    if not (need_cos or need_sin):  # the usual case (fixed tables): skip float32 copies of dy and x, 0.77 ms
-        return None, None  # at 2^27 bf16 elements on an H200, five times the rotation itself
+    if not (need_cos or need_sin):  # the usual case (fixed tables): float32 copies of dy and x cost more than
+        return None, None  # the rotation itself
     dy1, dy2 = dy.float().chunk(2, dim=-1)  # (B, H, N, D/2) each
     x1, x2 = x.float().chunk(2, dim=-1)
     dcos = (dy1 * x1 + dy2 * x2).sum(dim=(0, 1)) if need_cos else None  # (N, D/2)
@@ -123,7 +120,7 @@ def _table_grads(dy, x, need_cos, need_sin):
 
 
 # --------------------------------------------------------------------------------------------------
-# torch.library registration and autograd
+# torch.library registration: an opaque op with a fake implementation, what torch.compile records
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("kernel_lib::rope", mutates_args=())
 def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -135,42 +132,21 @@ def _(x, cos, sin, inverse):
     return x.new_empty(x.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    x, cos, sin, inverse = inputs
-    ctx.inverse = inverse
-    ctx.save_for_backward(x, cos, sin)
-
-
-def _backward_rule(ctx, dy):
-    x, cos, sin = ctx.saved_tensors
-    dx = _rope_op(dy, cos, sin, not ctx.inverse)
-    dcos, dsin = _table_grads(dy, x, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-    if dsin is not None and ctx.inverse:
-        dsin = -dsin
-    return (
-        dx,
-        (dcos.to(cos.dtype) if dcos is not None else None),
-        (dsin.to(sin.dtype) if dsin is not None else None),
-        None,
-    )
-
-
-_rope_op.register_autograd(_backward_rule, setup_context=_setup_context)
-
-
+# --------------------------------------------------------------------------------------------------
+# Autograd: the launcher in eager mode, the op under torch.compile (see _utils.launch_or_op); the backward is
+# the same rotation by the opposite angle
+# --------------------------------------------------------------------------------------------------
 class _Rope(torch.autograd.Function):
-    """Eager-mode autograd over the same launcher, without the custom op's Python dispatch overhead."""
-
     @staticmethod
     def forward(ctx, x, cos, sin):
         tables_need_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         ctx.save_for_backward(x if tables_need_grad else None, cos, sin)  # x only for the tables' gradients
-        return _rotate(x, cos, sin, inverse=False)
+        return launch_or_op(_rotate, _rope_op)(x, cos, sin, False)
 
     @staticmethod
     def backward(ctx, dy):
         x, cos, sin = ctx.saved_tensors
-        dx = _rotate(dy, cos, sin, inverse=True)
+        dx = launch_or_op(_rotate, _rope_op)(dy, cos, sin, True)
         dcos, dsin = _table_grads(dy, x, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         return (
             dx,
@@ -196,8 +172,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     check_shape(cos, "cos", (x.shape[2], D // 2))
     check_shape(sin, "sin", (x.shape[2], D // 2))
     check_same_device(x=x, cos=cos, sin=sin)
-    if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
-        return _rope_op(x, cos, sin, False)
-    if not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)):
-        return _rotate(x, cos, sin, inverse=False)  # inference: no autograd node to build
+    if not use_triton(x, op="rope"):  # CPU without the interpreter: the reference, differentiated by autograd
+        return rope_ref(x, cos, sin)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)
+    if not needs_grad and not torch.compiler.is_compiling():
+        return _rotate(x, cos, sin, inverse=False)  # eager inference: no autograd node to build
     return _Rope.apply(x, cos, sin)

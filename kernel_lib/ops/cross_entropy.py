@@ -11,8 +11,8 @@ and its gradient, scaled by the upstream gradient of that row::
 
 The forward reads the logits once and writes three floats per row: the loss, and for the backward the row's
 maximum m and log(sum_i exp(x_i - m)), kept apart rather than summed into lse because at large magnitudes lse's
-rounding (half an ulp of |lse|: 1.2e-4 at 3000) would become the gradient's relative error (on the CPU, 7 of 40
-float32 test draws of 1000-scale logits failed the 2x rule that way; benchmarks/NOTES.md). The backward reads the
+rounding (half an ulp of |lse|: 1.2e-4 at 3000) would become the gradient's relative error (float32 tests with
+1000-scale logits failed the 2x rule that way; benchmarks/NOTES.md). The backward reads the
 logits once more and writes the gradient once, in the logits' dtype. ``F.cross_entropy(logits.float(), t)``
 instead writes a float32 copy of the logits and its log-softmax. Rows whose target is ``ignore_index`` get loss 0
 and gradient 0; a target outside [0, V) gives a NaN loss for its row (no host synchronization is spent checking
@@ -22,8 +22,8 @@ so autograd hands the kernel one upstream gradient per row whatever the reductio
 ``reduction="mean"`` gives NaN, as in PyTorch.
 
 Registered as ``kernel_lib::cross_entropy_fwd`` / ``kernel_lib::cross_entropy_bwd`` custom ops with fake
-implementations and autograd, so ``torch.compile(fullgraph=True)`` traces through it; eager calls use a plain
-``torch.autograd.Function``. Sources: Milakov & Gimelshein (2018) for the online log-sum-exp; Liger-Kernel's
+implementations, which the one ``autograd.Function`` calls under torch.compile, so ``torch.compile(fullgraph=True)``
+traces through it. Sources: Milakov & Gimelshein (2018) for the online log-sum-exp; Liger-Kernel's
 cross-entropy for the chunked-vocabulary layout.
 """
 
@@ -31,13 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_same_device, check_tensor, use_triton
+from ._utils import check_same_device, check_tensor, launch_or_op, use_triton
 
 __all__ = ["cross_entropy", "cross_entropy_ref"]
 
-# Measured fastest on an H200 at V = 128256 (benchmarks/NOTES.md). The forward uses one warp per row: its max and
-# sum are then reduced by shuffles within the warp, where more warps would meet at a shared-memory barrier twice
-# per block (one warp: 97.8% of copy; 4 warps: 88.3%). The backward has no reduction and streams wide blocks.
+# The forward uses one warp per row: its max and sum are then reduced by shuffles within the warp, where more warps
+# would meet at a shared-memory barrier twice per block (the measurements are in benchmarks/NOTES.md). The backward
+# has no reduction and streams wide blocks.
 FWD_BLOCK_V, FWD_WARPS = 2048, 1
 BWD_BLOCK_V, BWD_WARPS = 16384, 16
 
@@ -145,12 +145,6 @@ def _forward(logits, target, ignore_index, smoothing):
     stats = torch.empty((T, 2), device=logits.device, dtype=torch.float32)  # row max, log sum exp(x - max)
     if T == 0:
         return loss, stats
-    if not use_triton(logits, op="cross_entropy"):
-        xf = logits.float()
-        stats[:, 0] = xf.amax(dim=-1)
-        stats[:, 1] = torch.logsumexp(xf - stats[:, :1], dim=-1)
-        loss.copy_(cross_entropy_ref(logits, target, ignore_index, "none", smoothing))
-        return loss, stats
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     _ce_fwd_kernel[(T,)](
@@ -170,12 +164,6 @@ def _backward(dloss, logits, target, stats, ignore_index, smoothing, out=None):
     if T == 0:
         return dlogits
     dloss = dloss.to(torch.float32).contiguous()
-    if not use_triton(logits, op="cross_entropy"):
-        p = torch.exp((logits.float() - stats[:, :1]) - stats[:, 1:])
-        p[torch.arange(T, device=logits.device), target.clamp(0, V - 1)] -= 1.0 - smoothing
-        scale = torch.where(target == ignore_index, 0.0, dloss)
-        grad = torch.where(scale[:, None] == 0, 0.0, (p - smoothing / V) * scale[:, None])
-        return dlogits.copy_(grad)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     _ce_bwd_kernel[(T,)](
@@ -186,7 +174,7 @@ def _backward(dloss, logits, target, stats, ignore_index, smoothing, out=None):
 
 
 # --------------------------------------------------------------------------------------------------
-# torch.library registration and autograd
+# torch.library registration: opaque ops with fake implementations, what torch.compile records
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("kernel_lib::cross_entropy_fwd", mutates_args=())
 def _ce_fwd_op(
@@ -218,26 +206,13 @@ def _(dloss, logits, target, stats, ignore_index, smoothing):
     return logits.new_empty(logits.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    logits, target, ignore_index, smoothing = inputs
-    ctx.ignore_index, ctx.smoothing = ignore_index, smoothing
-    ctx.save_for_backward(logits, target, output[1])
-
-
-def _backward_rule(ctx, dloss, _dstats):
-    logits, target, stats = ctx.saved_tensors
-    return _ce_bwd_op(dloss, logits, target, stats, ctx.ignore_index, ctx.smoothing), None, None, None
-
-
-_ce_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
-
-
+# --------------------------------------------------------------------------------------------------
+# Autograd: the launchers in eager mode, the ops under torch.compile (see _utils.launch_or_op)
+# --------------------------------------------------------------------------------------------------
 class _CrossEntropyRows(torch.autograd.Function):
-    """Eager-mode autograd over the same launchers, without the custom op's Python dispatch overhead."""
-
     @staticmethod
     def forward(ctx, logits, target, ignore_index, smoothing):
-        loss, stats = _forward(logits, target, ignore_index, smoothing)
+        loss, stats = launch_or_op(_forward, _ce_fwd_op)(logits, target, ignore_index, smoothing)
         ctx.ignore_index, ctx.smoothing = ignore_index, smoothing
         ctx.save_for_backward(logits, target, stats)
         return loss
@@ -245,7 +220,8 @@ class _CrossEntropyRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         logits, target, stats = ctx.saved_tensors
-        return _backward(dloss, logits, target, stats, ctx.ignore_index, ctx.smoothing), None, None, None
+        dlogits = launch_or_op(_backward, _ce_bwd_op)(dloss, logits, target, stats, ctx.ignore_index, ctx.smoothing)
+        return dlogits, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,11 +248,10 @@ def cross_entropy(
         raise ValueError(f'reduction must be "mean", "sum" or "none", got {reduction!r}')
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not use_triton(logits, op="cross_entropy"):  # CPU without the interpreter: the reference, differentiated
+        return cross_entropy_ref(logits, target, ignore_index, reduction, label_smoothing)
     target = target.contiguous()
-    if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
-        rows = _ce_fwd_op(logits, target, int(ignore_index), float(label_smoothing))[0]
-    else:
-        rows = _CrossEntropyRows.apply(logits, target, int(ignore_index), float(label_smoothing))
+    rows = _CrossEntropyRows.apply(logits, target, int(ignore_index), float(label_smoothing))
     if reduction == "none":
         return rows
     if reduction == "sum":

@@ -7,9 +7,11 @@ Three things decide how a call runs:
   *before* triton was imported (that is how the tests and CPU notebook runs exercise the kernels).
 * CPU tensors without the interpreter fall back to the plain PyTorch reference, and say so once.
 
-Kernel configs are pruned by the shared memory of the device they launch on, so a config tuned on an
-H100 (up to 227 KB per block, NVIDIA's Hopper tuning guide) never reaches an RTX 4090 (99 KB, Ada tuning
-guide); under the interpreter a single config is used, because the interpreter cannot autotune over several.
+Matmul-like kernels (attention, grouped GEMM) launch with one config that a heuristic picks from the shape, the
+first call at a new shape then costs one compile, not an autotuning sweep; ``KERNEL_LIB_AUTOTUNE=1`` searches the
+whole config list instead and keeps its choices on disk. Either way configs are checked against the shared memory
+of the device they launch on, so a config tuned on an H100 (up to 227 KB per block, NVIDIA's Hopper tuning
+guide) never reaches an RTX 4090 (99 KB, Ada tuning guide); under the interpreter the smallest config is used.
 
 This file depends on torch alone (triton is imported lazily), so it can be copied with any kernel file.
 """
@@ -17,6 +19,9 @@ This file depends on torch alone (triton is imported lazily), so it can be copie
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
+import json
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -55,14 +60,26 @@ def use_triton(*tensors: torch.Tensor, op: str = "kernel") -> bool:
     if devices <= {"cpu"}:
         if is_interpreting():
             return True
-        warn_once(
-            f"cpu-fallback-{op}",
-            f"kernel_lib.{op}: CPU tensors and TRITON_INTERPRET is not set, so the plain PyTorch "
-            "reference runs instead of the Triton kernel. Set TRITON_INTERPRET=1 before importing "
-            "triton to run the kernel itself on the CPU.",
-        )
+        if not torch.compiler.is_compiling():  # Dynamo traces the reference; a warning there would break the graph
+            warn_once(
+                f"cpu-fallback-{op}",
+                f"kernel_lib.{op}: CPU tensors and TRITON_INTERPRET is not set, so the plain PyTorch "
+                "reference runs instead of the Triton kernel. Set TRITON_INTERPRET=1 before importing "
+                "triton to run the kernel itself on the CPU.",
+            )
         return False
     raise ValueError(f"kernel_lib.{op}: tensors on unsupported device(s) {sorted(devices)}; use cuda or cpu")
+
+
+def launch_or_op(launcher: Callable, op: Callable) -> Callable:
+    """What a kernel file's ``autograd.Function`` calls: ``launcher`` in eager mode, ``op`` under torch.compile.
+
+    Each kernel file has one ``autograd.Function``. Eager calls go straight to the Python launcher, because the
+    custom op's dispatch (Python to the C++ dispatcher and back) would add host time to every call; while
+    torch.compile traces, the same Function calls the registered custom op, which Dynamo records as one opaque
+    node whose fake implementation gives the output shapes.
+    """
+    return op if torch.compiler.is_compiling() else launcher
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,16 +177,108 @@ def device_index_of(args: dict) -> int | None:
     return None
 
 
-def configs_for_autotune(configs: Sequence) -> list:
-    """The configs to hand ``triton.autotune``: all of them compiled, only the first interpreted.
+def meta(config) -> dict:
+    """A ``triton.Config`` as launch keywords: its block sizes, num_warps and num_stages."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
-    The interpreter cannot benchmark, and autotune benchmarks whenever it holds more than one config,
-    so the first config in each list must be one that runs everywhere.
+
+def pick_config(preferred: Sequence, smallest, smem_bytes: Callable[[object, dict], int], args: dict) -> dict:
+    """Launch keywords for a matmul-like kernel: the first of ``preferred`` that fits the device's shared memory.
+
+    ``preferred`` comes from a kernel file's heuristic, best first for the shape at hand (chosen against Triton's
+    full autotune on an H100 and H200: benchmarks/bench_autotune.py). ``smallest`` runs anywhere; it is the one
+    used under the interpreter, where small tiles keep the CPU run short.
     """
-    configs = list(configs)
-    if not configs:
-        raise ValueError("configs must not be empty")
-    return configs[:1] if is_interpreting() else configs
+    if is_interpreting():
+        return meta(smallest)
+    index = device_index_of(args)
+    limit = shared_memory_limit(index if index is not None else 0)
+    for config in preferred:
+        if smem_bytes(config, args) <= limit:
+            return meta(config)
+    return meta(smallest)
+
+
+def autotune_requested() -> bool:
+    """True when ``KERNEL_LIB_AUTOTUNE=1``: kernels search their whole config list instead of the heuristic's pick.
+
+    The search costs seconds at each new shape (every config is compiled and timed), once per machine: its
+    choices are kept on disk.
+    """
+    return os.environ.get("KERNEL_LIB_AUTOTUNE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def autotuned(kernel, configs: Sequence, key: list[str], smem_bytes: Callable[[object, dict], int]):
+    """``kernel`` under ``triton.autotune`` over all ``configs``, for ``KERNEL_LIB_AUTOTUNE=1``.
+
+    Its choices persist across processes: through Triton's own ``cache_results`` where this Triton has it, else
+    through a JSON file per kernel under :func:`cache_dir` (:func:`persist_choices`).
+    """
+    import triton
+
+    kwargs = dict(
+        configs=list(configs), key=key, prune_configs_by={"early_config_prune": prune_by_shared_memory(smem_bytes)}
+    )
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        return triton.autotune(**kwargs, cache_results=True)(kernel)
+    return persist_choices(triton.autotune(**kwargs)(kernel))
+
+
+def cache_dir() -> str:
+    """Where kernel_lib keeps files between processes: ``$KERNEL_LIB_CACHE_DIR``, else ``~/.cache/kernel_lib``."""
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kernel_lib")
+    return os.environ.get("KERNEL_LIB_CACHE_DIR", default)
+
+
+def persist_choices(tuner):
+    """Keep a ``triton.autotune`` object's choices in a JSON file, for Triton releases without ``cache_results``.
+
+    The file, ``<cache_dir>/autotune/<kernel>-<hash>.json``, lists one entry per tuning key: the key's values and
+    the chosen config's block sizes, warps and stages. The hash covers the Triton version, the device name, the
+    kernel's source and its config list, so a changed kernel or a different GPU starts afresh. Written atomically
+    (a temporary file renamed over the old one), so a killed process leaves the previous file whole.
+    """
+    import triton
+
+    run = tuner.run
+    state = {"path": None}
+
+    def path() -> str:
+        if state["path"] is None:
+            device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+            source = getattr(getattr(tuner, "fn", None), "src", "") or ""
+            digest = hashlib.sha256(repr((triton.__version__, device, source, tuner.configs)).encode()).hexdigest()
+            name = getattr(getattr(tuner, "fn", None), "__name__", "kernel")
+            state["path"] = os.path.join(cache_dir(), "autotune", f"{name}-{digest[:16]}.json")
+            try:
+                with open(state["path"]) as f:
+                    for entry in json.load(f):
+                        config = triton.Config(
+                            entry["kwargs"], num_warps=entry["num_warps"], num_stages=entry["num_stages"]
+                        )
+                        tuner.cache.setdefault(tuple(entry["key"]), config)
+            except (OSError, ValueError, KeyError, TypeError):  # no file yet, or one that is not ours: tune afresh
+                pass
+        return state["path"]
+
+    def run_and_keep(*args, **kwargs):
+        target = path()
+        known = len(tuner.cache)
+        result = run(*args, **kwargs)
+        if len(tuner.cache) != known:
+            entries = [
+                {"key": list(key), "kwargs": c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                for key, c in tuner.cache.items()
+            ]
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = f"{target}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(entries, f, indent=1)
+            os.replace(tmp, target)
+        return result
+
+    tuner.run = run_and_keep
+    return tuner
 
 
 def prune_by_shared_memory(smem_bytes: Callable[[object, dict], int]) -> Callable:

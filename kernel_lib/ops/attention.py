@@ -25,9 +25,9 @@ key blocks (dQ). Only tiles on the edge of the causal or window mask apply it; r
 as zeros, which contribute nothing. No atomics, so results are deterministic.
 
 The Triton kernels live in the sibling ``attention_kernels.py``. Registered as the
-``kernel_lib::flash_attention_fwd`` / ``kernel_lib::flash_attention_bwd`` custom ops with fake implementations
-and autograd, so ``torch.compile(fullgraph=True)`` traces through it; eager calls use a plain
-``torch.autograd.Function``. Sources: Dao et al., FlashAttention (2022) and FlashAttention-2 (2023); Triton's
+``kernel_lib::flash_attention_fwd`` / ``kernel_lib::flash_attention_bwd`` custom ops with fake implementations,
+which the one ``autograd.Function`` calls under torch.compile, so ``torch.compile(fullgraph=True)`` traces
+through it. Sources: Dao et al., FlashAttention (2022) and FlashAttention-2 (2023); Triton's
 fused-attention tutorial.
 """
 
@@ -37,14 +37,17 @@ from typing import Optional
 import torch
 import triton
 
-from ._utils import check_same_device, check_same_dtype, check_tensor, use_triton
-from .attention_kernels import (
-    LOG2E,
-    _attn_bwd_dkdv_kernel,
-    _attn_bwd_dq_kernel,
-    _attn_bwd_prep_kernel,
-    _attn_fwd_kernel,
+from . import attention_kernels as kernels
+from ._utils import (
+    autotune_requested,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    launch_or_op,
+    pick_config,
+    use_triton,
 )
+from .attention_kernels import LOG2E, _attn_bwd_prep_kernel
 
 __all__ = ["flash_attention", "attention_ref", "MultiHeadAttention"]
 
@@ -105,47 +108,40 @@ def _forward(q, k, v, causal, window, scale):
     lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    if not use_triton(q, k, v, op="flash_attention"):
-        ref_out, ref_lse = attention_ref(q, k, v, causal, window, scale, return_lse=True)
-        return out.copy_(ref_out), lse.copy_(ref_lse)
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)
 
-    _attn_fwd_kernel[grid](
-        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        Hq, N, M, Hq // Hkv, scale * LOG2E, window or 0,
-        HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu",
-    )  # fmt: skip
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        Hq,
+        N,
+        M,
+        Hq // Hkv,
+        scale * LOG2E,
+        window or 0,
+    )
+    flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
+    if autotune_requested():
+        kernels._attn_fwd_tuned[grid](*args, **flags)
+    else:
+        preferred = kernels.fwd_preferred(N, D, causal, window is not None)
+        config = pick_config(preferred, kernels._FWD_CONFIGS[0], kernels._smem_bytes, {"HEAD_DIM": D, "q": q})
+        kernels._attn_fwd_kernel[grid](*args, **flags, **config)
     return out, lse
-
-
-def _backward_reference(do, q, k, v, lse, delta, causal, window, scale):
-    """The backward in plain PyTorch (float32), for CPU tensors without the interpreter."""
-    B, Hq, Hkv, N, M, D = _shapes(q, k)
-    group = Hq // Hkv
-    kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)  # (B, Hq, M, D)
-    s = (q.float() @ kf.transpose(-1, -2)) * scale  # (B, Hq, N, M)
-    s = s.masked_fill(~_visible(N, M, causal, window, q.device), float("-inf"))
-    p = torch.where(s == float("-inf"), 0.0, torch.exp(s - lse[..., None]))
-    dof = do.float()
-    ds = p * (dof @ vf.transpose(-1, -2) - delta[..., None])
-    dq = (ds @ kf) * scale
-    dk = ((ds.transpose(-1, -2) @ q.float()) * scale).view(B, Hkv, group, M, D).sum(2)
-    dv = (p.transpose(-1, -2) @ dof).view(B, Hkv, group, M, D).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
     B, Hq, Hkv, N, M, D = _shapes(q, k)
     do = do.contiguous()
-    if not use_triton(q, k, v, op="flash_attention"):
-        # d(loss)/d(score_ij) = p_ij * (dp_ij - delta_i); a gradient flowing into lse_i adds p_ij * dlse_i.
-        delta = (do.float() * out.float()).sum(-1)  # (B, Hq, N)
-        if dlse is not None:
-            delta = delta - dlse.float()
-        return _backward_reference(do, q, k, v, lse.contiguous(), delta, causal, window, scale)
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     dq = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, Hkv, M, D), device=k.device, dtype=k.dtype)
@@ -162,20 +158,30 @@ def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
         delta_lse2[0], delta_lse2[1], n_rows, HEAD_DIM=D, HAS_DLSE=dlse is not None, BLOCK_R=block_r,
     )  # fmt: skip
     delta, lse2 = delta_lse2[0], delta_lse2[1]
-    common = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
-    _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_N"]), B * Hkv)](
-        q, k, v, do, lse2, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        Hq, Hkv, N, M, Hq // Hkv, scale, window or 0, **common,
-    )  # fmt: skip
-    _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)](
-        q, k, v, do, lse2, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        Hq, N, M, Hq // Hkv, scale, window or 0, **common,
-    )  # fmt: skip
+    flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    dkdv_grid = lambda meta: (triton.cdiv(M, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
+    dkdv_args = (q, k, v, do, lse2, delta, dk, dv, *strides, Hq, Hkv, N, M, Hq // Hkv, scale, window or 0)
+    dq_grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+    dq_args = (q, k, v, do, lse2, delta, dq, *strides, Hq, N, M, Hq // Hkv, scale, window or 0)
+    if autotune_requested():
+        kernels._attn_bwd_dkdv_tuned[dkdv_grid](*dkdv_args, **flags)
+        kernels._attn_bwd_dq_tuned[dq_grid](*dq_args, **flags)
+    else:
+        smem_args = {"HEAD_DIM": D, "q": q}
+        dkdv = pick_config(
+            kernels.dkdv_preferred(N, D, causal), kernels._DKDV_CONFIGS[0], kernels._smem_bytes_dkdv, smem_args
+        )
+        dq_config = pick_config(
+            kernels.dq_preferred(D, causal), kernels._DQ_CONFIGS[0], kernels._smem_bytes_dq, smem_args
+        )
+        kernels._attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **dkdv)
+        kernels._attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **dq_config)
     return dq, dk, dv
 
 
 # --------------------------------------------------------------------------------------------------
-# torch.library registration and autograd
+# torch.library registration: opaque ops with fake implementations, what torch.compile records
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("kernel_lib::flash_attention_fwd", mutates_args=())
 def _attn_fwd_op(
@@ -210,27 +216,13 @@ def _(do, q, k, v, out, lse, dlse, causal, window, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, window, scale = inputs
-    ctx.causal, ctx.window, ctx.scale = causal, window, scale
-    ctx.save_for_backward(q, k, v, *output)
-
-
-def _backward_rule(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _attn_bwd_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.window, ctx.scale)
-    return dq, dk, dv, None, None, None
-
-
-_attn_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
-
-
+# --------------------------------------------------------------------------------------------------
+# Autograd: the launchers in eager mode, the ops under torch.compile (see _utils.launch_or_op)
+# --------------------------------------------------------------------------------------------------
 class _FlashAttention(torch.autograd.Function):
-    """Eager-mode autograd over the same launchers, without the custom op's Python dispatch overhead."""
-
     @staticmethod
     def forward(ctx, q, k, v, causal, window, scale):
-        out, lse = _forward(q, k, v, causal, window, scale)
+        out, lse = launch_or_op(_forward, _attn_fwd_op)(q, k, v, causal, window, scale)
         ctx.causal, ctx.window, ctx.scale = causal, window, scale
         ctx.save_for_backward(q, k, v, out, lse)
         return out, lse
@@ -238,7 +230,8 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.window, ctx.scale)
+        args = (dout, q, k, v, out, lse, dlse, ctx.causal, ctx.window, ctx.scale)
+        dq, dk, dv = launch_or_op(_backward, _attn_bwd_op)(*args)
         return dq, dk, dv, None, None, None
 
 
@@ -281,10 +274,10 @@ def flash_attention(
             raise ValueError(f"window must be a positive number of keys, got {window}")
         window = int(window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
-        out, lse = _attn_fwd_op(q, k, v, bool(causal), window, scale)
-    else:
+    if use_triton(q, k, v, op="flash_attention"):
         out, lse = _FlashAttention.apply(q, k, v, bool(causal), window, scale)
+    else:  # CPU without the interpreter: the reference, differentiated by autograd
+        out, lse = attention_ref(q, k, v, bool(causal), window, scale, return_lse=True)
     return (out, lse) if return_lse else out
 
 

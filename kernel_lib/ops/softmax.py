@@ -10,8 +10,9 @@ whenever the maximum grows, a second pass reads x again and writes the result.
 Entries of ``-inf`` get exactly 0; a row that is all ``-inf`` gives NaN, as in PyTorch. Backward saves y, not x.
 Arithmetic is in float32; y is rounded once to x's dtype.
 
-Registered as ``kernel_lib::softmax_fwd`` / ``kernel_lib::softmax_bwd`` custom ops with fake implementations
-and autograd, so ``torch.compile(fullgraph=True)`` traces through it. Sources: Milakov & Gimelshein, "Online
+Registered as ``kernel_lib::softmax_fwd`` / ``kernel_lib::softmax_bwd`` custom ops with fake implementations,
+which the one ``autograd.Function`` calls under torch.compile, so ``torch.compile(fullgraph=True)`` traces
+through it. Sources: Milakov & Gimelshein, "Online
 normalizer calculation for softmax" (2018); Triton's fused-softmax tutorial.
 """
 
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, check_tensor, row_block_settings, use_triton
+from ._utils import as_rows, check_tensor, launch_or_op, row_block_settings, use_triton
 
 __all__ = ["softmax", "softmax_ref", "MAX_FUSED"]
 
@@ -136,8 +137,6 @@ def _forward(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((n_rows, D), device=x.device, dtype=x.dtype)
     if n_rows == 0 or D == 0:
         return y.view(x.shape)
-    if not use_triton(x, op="softmax"):
-        return softmax_ref(x).contiguous()
     block_d, block_m, num_warps, one_pass = _settings(D, x.element_size())
     grid = (triton.cdiv(n_rows, block_m),)
     _softmax_fwd_kernel[grid](
@@ -160,9 +159,6 @@ def _backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     dx = torch.empty((n_rows, D), device=y.device, dtype=y.dtype)
     if n_rows == 0 or D == 0:
         return dx.view(y.shape)
-    if not use_triton(y, op="softmax"):
-        yf, dyf = y_rows.float(), dy_rows.float()
-        return dx.copy_(yf * (dyf - (dyf * yf).sum(-1, keepdim=True))).view(y.shape)
     block_d, block_m, num_warps, one_pass = _settings(D, y.element_size())
     grid = (triton.cdiv(n_rows, block_m),)
     _softmax_bwd_kernel[grid](
@@ -173,7 +169,7 @@ def _backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# torch.library registration and autograd
+# torch.library registration: opaque ops with fake implementations, what torch.compile records
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("kernel_lib::softmax_fwd", mutates_args=())
 def _softmax_fwd_op(x: torch.Tensor) -> torch.Tensor:
@@ -195,31 +191,20 @@ def _(dy, y):
     return y.new_empty(y.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(output)
-
-
-def _backward_rule(ctx, dy):
-    (y,) = ctx.saved_tensors
-    return _softmax_bwd_op(dy, y)
-
-
-_softmax_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
-
-
+# --------------------------------------------------------------------------------------------------
+# Autograd: the launchers in eager mode, the ops under torch.compile (see _utils.launch_or_op)
+# --------------------------------------------------------------------------------------------------
 class _Softmax(torch.autograd.Function):
-    """Eager-mode autograd over the same launchers, without the custom op's Python dispatch overhead."""
-
     @staticmethod
     def forward(ctx, x):
-        y = _forward(x)
-        ctx.save_for_backward(y)
+        y = launch_or_op(_forward, _softmax_fwd_op)(x)
+        ctx.save_for_backward(y)  # y, not x: dx = y * (dy - sum(dy * y))
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        return _backward(dy, y)
+        return launch_or_op(_backward, _softmax_bwd_op)(dy, y)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,6 +216,6 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     Equal to ``torch.softmax(x.float(), -1).to(x.dtype)`` up to float32 rounding; differentiable.
     """
     check_tensor(x, "x", min_ndim=1)
-    if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
-        return _softmax_fwd_op(x)
+    if not use_triton(x, op="softmax"):  # CPU without the interpreter: the reference, differentiated by autograd
+        return softmax_ref(x)
     return _Softmax.apply(x)

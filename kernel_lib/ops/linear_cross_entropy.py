@@ -30,9 +30,10 @@ Language Models" (2024).
 
 import torch
 
-from ._utils import check_same_device, check_same_dtype, check_shape, check_tensor
-from .cross_entropy import _backward as _ce_backward_launch
-from .cross_entropy import _forward as _ce_forward_launch
+from ._utils import check_same_device, check_same_dtype, check_shape, check_tensor, launch_or_op, use_triton
+from .cross_entropy import _backward as _ce_backward
+from .cross_entropy import _ce_bwd_op, _ce_fwd_op
+from .cross_entropy import _forward as _ce_forward
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref"]
 
@@ -46,18 +47,6 @@ def linear_cross_entropy_ref(
     logits = h @ weight.T  # (T, V)
     compute = torch.promote_types(logits.dtype, torch.float32)
     return torch.nn.functional.cross_entropy(logits.to(compute), target, ignore_index=ignore_index, reduction=reduction)
-
-
-def _ce_forward(logits, target, ignore_index):
-    if torch.compiler.is_compiling():  # traced as the cross-entropy custom op, not into the Triton launch
-        return torch.ops.kernel_lib.cross_entropy_fwd(logits, target, ignore_index, 0.0)
-    return _ce_forward_launch(logits, target, ignore_index, 0.0)
-
-
-def _ce_backward(dloss, logits, target, stats, ignore_index):
-    if torch.compiler.is_compiling():  # the op is functional: a new gradient tensor
-        return torch.ops.kernel_lib.cross_entropy_bwd(dloss, logits, target, stats, ignore_index, 0.0)
-    return _ce_backward_launch(dloss, logits, target, stats, ignore_index, 0.0, out=logits)  # in place
 
 
 def _chunk_rows(T: int, V: int, element_bytes: int) -> int:
@@ -75,11 +64,15 @@ def _fused_pass(h, weight, target, ignore_index, dloss_rows, need_loss=True):
     for start in range(0, T, rows):
         h_c, t_c = h[start : start + rows], target[start : start + rows]
         logits = h_c @ weight.T  # (C, V): the only logits alive at any time
-        loss_c, stats_c = _ce_forward(logits, t_c, ignore_index)
+        loss_c, stats_c = launch_or_op(_ce_forward, _ce_fwd_op)(logits, t_c, ignore_index, 0.0)
         if need_loss:
             loss[start : start + rows] = loss_c
         if dloss_rows is not None:
-            dlogits = _ce_backward(dloss_rows[start : start + rows], logits, t_c, stats_c, ignore_index)
+            dloss_c = dloss_rows[start : start + rows]
+            if torch.compiler.is_compiling():  # the op is functional: a new gradient tensor
+                dlogits = _ce_bwd_op(dloss_c, logits, t_c, stats_c, ignore_index, 0.0)
+            else:  # eager: the gradient overwrites this chunk's logits, no second (C, V) buffer
+                dlogits = _ce_backward(dloss_c, logits, t_c, stats_c, ignore_index, 0.0, out=logits)
             del logits
             torch.mm(dlogits, weight, out=dh[start : start + rows])  # (C, d)
             dweight.addmm_(dlogits.T, h_c)  # float32 inside the matmul, one rounding to weight's dtype per chunk
@@ -140,4 +133,6 @@ def linear_cross_entropy(
     check_same_device(h=h, weight=weight, target=target)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f'reduction must be "mean", "sum" or "none", got {reduction!r}')
+    if not use_triton(h, weight, op="linear_cross_entropy"):  # CPU without the interpreter: the reference
+        return linear_cross_entropy_ref(h, weight, target, ignore_index, reduction)
     return _LinearCrossEntropy.apply(h, weight, target.contiguous(), int(ignore_index), reduction)

@@ -14,18 +14,17 @@ once to the inputs' dtype. gate and up may be any strided views with a unit-stri
 halves of a fused up-projection) without a copy.
 
 Registered as ``kernel_lib::gated_act_fwd`` / ``kernel_lib::gated_act_bwd`` custom ops with fake
-implementations and autograd, so ``torch.compile(fullgraph=True)`` traces through them. Sources: Shazeer,
+implementations, which the one ``autograd.Function`` calls under torch.compile, so
+``torch.compile(fullgraph=True)`` traces through them. Sources: Shazeer,
 "GLU Variants Improve Transformer" (2020); Hendrycks & Gimpel, "Gaussian Error Linear Units" (2016).
 """
-
-import math
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, check_same_device, check_same_dtype, check_shape, check_tensor, use_triton
+from ._utils import as_rows, check_same_device, check_same_dtype, check_shape, check_tensor, launch_or_op, use_triton
 
 __all__ = ["swiglu", "geglu", "swiglu_ref", "geglu_ref"]
 
@@ -124,30 +123,10 @@ def _grid_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [as_rows(t) for t in tensors]  # (n_rows, D) each
 
 
-def _reference_grads(dy, gate, up, activation):
-    """The CPU fallback's gradients in float32, from the same formulas as the kernel (autograd is off in here)."""
-    g, u, dyf = gate.float(), up.float(), dy.float()
-    if activation == "silu":
-        s = torch.sigmoid(g)
-        act, slope = g * s, s + g * s * (1 - s)
-    elif activation == "gelu_tanh":
-        k = math.sqrt(2 / math.pi)
-        t = torch.tanh(k * (g + 0.044715 * g**3))
-        act, slope = 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
-    else:
-        cdf = 0.5 * (1 + torch.erf(g / math.sqrt(2)))
-        act, slope = g * cdf, cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
-    return (dyf * u * slope).to(gate.dtype), (dyf * act).to(up.dtype)
-
-
 def _forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     if gate.numel() == 0:
         return out
-    if not use_triton(gate, up, op=activation + " gated activation"):
-        if activation == "silu":
-            return out.copy_(swiglu_ref(gate, up))
-        return out.copy_(geglu_ref(gate, up, "tanh" if activation == "gelu_tanh" else "none"))
     g_rows, u_rows = _grid_rows(gate, up)
     n_rows, D = g_rows.shape
     blocks_per_row = triton.cdiv(D, BLOCK)
@@ -163,9 +142,6 @@ def _backward(dy, gate, up, activation):
     dup = torch.empty(up.shape, device=up.device, dtype=up.dtype)
     if gate.numel() == 0:
         return dgate, dup
-    if not use_triton(gate, up, op=activation + " gated activation"):
-        dg, du = _reference_grads(dy, gate, up, activation)
-        return dgate.copy_(dg), dup.copy_(du)
     dy_rows, g_rows, u_rows = _grid_rows(dy, gate, up)
     n_rows, D = g_rows.shape
     blocks_per_row = triton.cdiv(D, BLOCK)
@@ -177,7 +153,7 @@ def _backward(dy, gate, up, activation):
 
 
 # --------------------------------------------------------------------------------------------------
-# torch.library registration and autograd
+# torch.library registration: opaque ops with fake implementations, what torch.compile records
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("kernel_lib::gated_act_fwd", mutates_args=())
 def _gated_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -201,44 +177,21 @@ def _(dy, gate, up, activation):
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    gate, up, activation = inputs
-    ctx.activation = activation
-    ctx.save_for_backward(gate, up)
-
-
-def _backward_rule(ctx, dy):
-    gate, up = ctx.saved_tensors
-    dgate, dup = _gated_bwd_op(dy, gate, up, ctx.activation)
-    return dgate, dup, None
-
-
-_gated_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
-
-
 # --------------------------------------------------------------------------------------------------
-# Autograd for eager mode: the same launchers without the custom op's Python dispatch, which cost about 0.24 ms
-# per forward + backward when measured on the CPU, comparable to the kernels at model sizes (on an H200,
-# swiglu forward + backward went from 0.62x to 1.00x torch.compile with this; benchmarks/NOTES.md)
+# Autograd: the launchers in eager mode, the ops under torch.compile (see _utils.launch_or_op)
 # --------------------------------------------------------------------------------------------------
 class _GatedActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, activation):
         ctx.activation = activation
-        ctx.save_for_backward(gate, up)
-        return _forward(gate, up, activation)
+        ctx.save_for_backward(gate, up)  # the activation is recomputed from gate, not saved
+        return launch_or_op(_forward, _gated_fwd_op)(gate, up, activation)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dgate, dup = _backward(dy, gate, up, ctx.activation)
+        dgate, dup = launch_or_op(_backward, _gated_bwd_op)(dy, gate, up, ctx.activation)
         return dgate, dup, None
-
-
-def _gated(gate, up, activation):
-    if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
-        return _gated_fwd_op(gate, up, activation)
-    return _GatedActivation.apply(gate, up, activation)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -255,7 +208,9 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, elementwise; gate and up of one shape and dtype (float32/float16/bfloat16), any strides."""
     _check(gate, up)
-    return _gated(gate, up, "silu")
+    if not use_triton(gate, up, op="swiglu"):  # CPU without the interpreter: the reference, differentiated by autograd
+        return swiglu_ref(gate, up)
+    return _GatedActivation.apply(gate, up, "silu")
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
@@ -263,4 +218,6 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
     if approximate not in ("tanh", "none"):
         raise ValueError(f'approximate must be "tanh" or "none", got {approximate!r}')
     _check(gate, up)
-    return _gated(gate, up, "gelu_tanh" if approximate == "tanh" else "gelu")
+    if not use_triton(gate, up, op="geglu"):  # CPU without the interpreter: the reference, differentiated by autograd
+        return geglu_ref(gate, up, approximate)
+    return _GatedActivation.apply(gate, up, "gelu_tanh" if approximate == "tanh" else "gelu")

@@ -22,11 +22,14 @@ import triton
 import triton.language as tl
 
 from ._utils import (
+    autotune_requested,
+    autotuned,
     check_same_device,
     check_same_dtype,
     check_tensor,
-    configs_for_autotune,
-    prune_by_shared_memory,
+    launch_or_op,
+    pick_config,
+    sm_count,
     use_triton,
 )
 
@@ -61,7 +64,22 @@ def _smem_bytes(config, args) -> int:
     return config.num_stages * (kw["BLOCK_M"] * kw["BLOCK_K"] + kw["BLOCK_K"] * kw["BLOCK_N"]) * element
 
 
-_PRUNE = {"early_config_prune": prune_by_shared_memory(_smem_bytes)}
+def fwd_preferred(T: int, N: int, E: int, device: torch.device) -> list:
+    """Configs of the forward kernel (and of dx, the same kernel on w transposed), best first: 128 x 256 tiles when
+    there are enough of them to fill the GPU a few times over, else 128 x 128 so that more programs run."""
+    big, mid, small = _CONFIGS[3], _CONFIGS[1], _CONFIGS[0]
+    tiles = (triton.cdiv(T, 128) + E) * triton.cdiv(N, 256)
+    sms = (
+        sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        if device.type == "cuda"
+        else 1
+    )
+    return [big, mid, small] if tiles >= 4 * sms else [mid, small]
+
+
+def dw_preferred() -> list:
+    """Configs of the weight-gradient kernel, best first (its reduction runs over a group's rows)."""
+    return [_CONFIGS[4], _CONFIGS[0]]
 
 
 @triton.jit
@@ -87,7 +105,6 @@ def _tile_of(pid, n_row_tiles, n_col_tiles, BAND: tl.constexpr):
     return row_tile, col_tile
 
 
-@triton.autotune(configs=configs_for_autotune(_CONFIGS), key=["K", "N", "E"], prune_configs_by=_PRUNE)
 @triton.jit
 def _grouped_mm_kernel(
     x_ptr,  # (T, K)
@@ -141,7 +158,6 @@ def _grouped_mm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
 
 
-@triton.autotune(configs=configs_for_autotune(_CONFIGS), key=["K", "N", "E"], prune_configs_by=_PRUNE)
 @triton.jit
 def _grouped_dw_kernel(
     x_ptr,  # (T, K)
@@ -194,17 +210,19 @@ def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     out = torch.empty((T, N), device=x.device, dtype=x.dtype)
     if T == 0 or N == 0:
         return out
-    if not use_triton(x, w, op="grouped_mm"):
-        return out.copy_(grouped_mm_ref(x, w, offs))
-    flags = dict(DOT_FP32=x.device.type == "cpu", IEEE=x.dtype == torch.float32)
+    flags = dict(
+        BAND=BAND, BLOCK_E=triton.next_power_of_2(E), DOT_FP32=x.device.type == "cpu", IEEE=x.dtype == torch.float32
+    )
 
     def grid(meta):  # one program per (row tile, column tile); tiles past the last group's end return at once
         return ((triton.cdiv(T, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _grouped_mm_kernel[grid](
-        x, w, offs, out, *x.stride(), *w.stride(), T, K, N, E,
-        BAND=BAND, BLOCK_E=triton.next_power_of_2(E), **flags,
-    )  # fmt: skip
+    args = (x, w, offs, out, *x.stride(), *w.stride(), T, K, N, E)
+    if autotune_requested():
+        _grouped_mm_tuned[grid](*args, **flags)
+    else:
+        config = pick_config(fwd_preferred(T, N, E, x.device), _CONFIGS[0], _smem_bytes, {"x_ptr": x})
+        _grouped_mm_kernel[grid](*args, **flags, **config)
     return out
 
 
@@ -212,23 +230,21 @@ def _grad_weight(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, E: int) 
     T, K = x.shape
     N = dy.shape[1]
     dw = torch.empty((E, K, N), device=x.device, dtype=x.dtype)
-    if not use_triton(x, dy, op="grouped_mm"):
-        start = 0
-        for e, end in enumerate(offs.tolist()):
-            dw[e] = (x[start:end].float().T @ dy[start:end].float()).to(x.dtype)
-            start = end
-        return dw
-    flags = dict(DOT_FP32=x.device.type == "cpu", IEEE=x.dtype == torch.float32)
+    flags = dict(BAND=BAND, DOT_FP32=x.device.type == "cpu", IEEE=x.dtype == torch.float32)
 
     def grid(meta):  # one program per (group, K tile, N tile)
         return (E * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _grouped_dw_kernel[grid](x, dy.contiguous(), offs, dw, *x.stride(), K, N, E, BAND=BAND, **flags)
+    args = (x, dy.contiguous(), offs, dw, *x.stride(), K, N, E)
+    if autotune_requested():
+        _grouped_dw_tuned[grid](*args, **flags)
+    else:
+        _grouped_dw_kernel[grid](*args, **flags, **pick_config(dw_preferred(), _CONFIGS[0], _smem_bytes, {"x_ptr": x}))
     return dw
 
 
 # --------------------------------------------------------------------------------------------------
-# torch.library registration and autograd
+# torch.library registration: opaque ops with fake implementations, what torch.compile records
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("kernel_lib::grouped_mm", mutates_args=())
 def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -250,34 +266,26 @@ def _(x, dy, offs, n_groups):
     return x.new_empty((n_groups, x.shape[1], dy.shape[1]))
 
 
-def _setup_context(ctx, inputs, output):
-    x, w, offs = inputs
-    ctx.save_for_backward(x, w, offs)
-
-
-def _backward_rule(ctx, dy):
-    x, w, offs = ctx.saved_tensors
-    dx = _grouped_mm_op(dy.contiguous(), w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
-    dw = _grad_weight_op(x, dy, offs, w.shape[0]) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
-
-
-_grouped_mm_op.register_autograd(_backward_rule, setup_context=_setup_context)
-
-
+# --------------------------------------------------------------------------------------------------
+# Autograd: the launchers in eager mode, the ops under torch.compile (see _utils.launch_or_op)
+# --------------------------------------------------------------------------------------------------
 class _GroupedMM(torch.autograd.Function):
-    """Eager-mode autograd over the same launchers, without the custom op's Python dispatch overhead."""
+    """No check of offs here: callers that build offs themselves (the MoE layer) call this directly."""
 
     @staticmethod
     def forward(ctx, x, w, offs):
         ctx.save_for_backward(x, w, offs)
-        return _forward(x, w, offs)
+        return launch_or_op(_forward, _grouped_mm_op)(x, w, offs)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
-        dx = _forward(dy.contiguous(), w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
-        dw = _grad_weight(x, dy, offs, w.shape[0]) if ctx.needs_input_grad[1] else None
+        dx = (
+            launch_or_op(_forward, _grouped_mm_op)(dy.contiguous(), w.transpose(1, 2), offs)
+            if ctx.needs_input_grad[0]
+            else None
+        )
+        dw = launch_or_op(_grad_weight, _grad_weight_op)(x, dy, offs, w.shape[0]) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
@@ -301,9 +309,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, check_of
         raise ValueError(f"w must have shape (E, {x.shape[1]}, N) to match x's K, got {tuple(w.shape)}")
     if offs.shape[0] != w.shape[0]:
         raise ValueError(f"offs must have one entry per group of w ({w.shape[0]}), got {offs.shape[0]}")
-    if torch.compiler.is_compiling():  # torch.compile sees one custom op (with its registered autograd)
-        return _grouped_mm_op(x, w, offs)
-    if not check_offs:
+    if not use_triton(x, w, op="grouped_mm"):  # CPU without the interpreter: the reference, differentiated
+        return grouped_mm_ref(x, w, offs)
+    if not check_offs or torch.compiler.is_compiling():  # reading offs on the host would break the graph
         return _GroupedMM.apply(x, w, offs.contiguous())
     ends = offs.tolist()
     if any(b < a for a, b in zip([0, *ends[:-1]], ends, strict=True)):
@@ -311,3 +319,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, check_of
     if ends[-1] != x.shape[0]:
         raise ValueError(f"offs[-1] must equal the number of rows of x ({x.shape[0]}), got {ends[-1]}")
     return _GroupedMM.apply(x, w, offs.contiguous())
+
+
+# --------------------------------------------------------------------------------------------------
+# The same kernels under triton.autotune, launched instead when KERNEL_LIB_AUTOTUNE=1
+# --------------------------------------------------------------------------------------------------
+_grouped_mm_tuned = autotuned(_grouped_mm_kernel, _CONFIGS, ["K", "N", "E"], _smem_bytes)
+_grouped_dw_tuned = autotuned(_grouped_dw_kernel, _CONFIGS, ["K", "N", "E"], _smem_bytes)

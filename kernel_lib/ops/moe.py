@@ -23,8 +23,8 @@ The permutation has two Triton kernels of its own, both plain row copies with no
 where ``pos`` (T, k) is the inverse of the sort: the sorted row of token t's j-th assignment. Each is the other's
 backward: the gradient of a gather is a combine with weights 1 (dx[t] sums the k sorted rows of token t), and the
 gradient of a combine is a gather of dy scaled by the routing weights, plus dw[t, j] = <dy[t], out[pos[t, j]]>
-(``_combine_dw_kernel``). Measured on an H100 (notebook 04c) at T = 16384, d = 2048, E = 64, top-6, bf16:
-``index_add`` of the float32-weighted rows took 2.98 ms of the forward, the combine kernel 0.17 ms.
+(``_combine_dw_kernel``). The combine replaces ``index_add`` of float32-weighted rows, which notebook 04c shows
+to be a large share of the layer's forward.
 
 ``moe_ref`` is the per-expert Python loop: the definition that tests, notebooks and benchmarks compare against.
 """
@@ -36,8 +36,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import check_tensor, use_triton
-from .grouped_mm import _grouped_mm_op, _GroupedMM
+from ._utils import check_tensor, launch_or_op, use_triton
+from .grouped_mm import _GroupedMM
 from .swiglu import swiglu
 
 __all__ = ["moe", "moe_ref", "MoE"]
@@ -141,9 +141,6 @@ def _gather_rows(src: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | N
     out = src.new_empty((index.shape[0], src.shape[1]))
     if out.numel() == 0:
         return out
-    if not use_triton(src, op="moe"):
-        rows = src[index]
-        return rows if scale is None else (rows.to(scale.dtype) * scale[:, None]).to(src.dtype)
     grid = (index.shape[0], triton.cdiv(src.shape[1], BLOCK_COLS))
     _gather_kernel[grid](
         src, index, scale if scale is not None else index, out, src.shape[1],
@@ -159,11 +156,6 @@ def _combine_rows(src: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor | N
     out = src.new_empty((T, src.shape[1]))
     if out.numel() == 0:
         return out
-    if not use_triton(src, op="moe"):
-        rows = src[pos].to(torch.promote_types(src.dtype, torch.float32))  # (T, k, D)
-        if weight is not None:
-            rows = rows * weight[..., None]
-        return rows.sum(1).to(src.dtype)
     grid = (T, triton.cdiv(src.shape[1], BLOCK_COLS))
     _combine_kernel[grid](
         src, pos, weight if weight is not None else pos, out, src.shape[1], k,
@@ -179,16 +171,16 @@ def _combine_weight_grad(dy: torch.Tensor, src: torch.Tensor, pos: torch.Tensor)
     dw = torch.empty((T, k), device=src.device, dtype=torch.float32)
     if dw.numel() == 0:
         return dw
-    if not use_triton(src, op="moe"):
-        compute = torch.promote_types(src.dtype, torch.float32)
-        return (src[pos].to(compute) * dy[:, None, :].to(compute)).sum(-1).to(torch.float32)
     _combine_dw_kernel[(T,)](
         dy, src, pos, dw, src.shape[1], k, BLOCK_K=triton.next_power_of_2(k), BLOCK_D=BLOCK_COLS, num_warps=4
     )
     return dw
 
 
-# torch.library ops, so torch.compile sees one node per kernel (typing.Optional: older schema inference).
+# --------------------------------------------------------------------------------------------------
+# torch.library registration: opaque ops with fake implementations, what torch.compile records
+# (typing.Optional in these signatures: the schema inference of older torch releases does not read `X | None`)
+# --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("kernel_lib::moe_gather", mutates_args=())
 def _gather_op(src: torch.Tensor, index: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     return _gather_rows(src, index, scale)
@@ -219,25 +211,22 @@ def _(dy, src, pos):
     return src.new_empty(pos.shape, dtype=torch.float32)
 
 
-def _ops():
-    """The launchers in eager mode (no custom-op dispatch on the host), the registered ops under torch.compile."""
-    if torch.compiler.is_compiling():
-        return _gather_op, _combine_op, _combine_weight_grad_op
-    return _gather_rows, _combine_rows, _combine_weight_grad
-
-
+# --------------------------------------------------------------------------------------------------
+# Autograd: the launchers in eager mode, the ops under torch.compile (see _utils.launch_or_op); the gather and
+# the combine are each other's backward, so each Function calls the other's launcher there
+# --------------------------------------------------------------------------------------------------
 class _Dispatch(torch.autograd.Function):
     """xs = x[token]: each token's row copied to its k sorted places. Backward: dx[t] = sum of t's k sorted rows."""
 
     @staticmethod
     def forward(ctx, x, token, pos):
         ctx.save_for_backward(pos)
-        return _ops()[0](x, token, None)
+        return launch_or_op(_gather_rows, _gather_op)(x, token, None)
 
     @staticmethod
     def backward(ctx, dxs):
         (pos,) = ctx.saved_tensors
-        return _ops()[1](dxs, pos, None), None, None
+        return launch_or_op(_combine_rows, _combine_op)(dxs, pos, None), None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -246,12 +235,13 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src, weight, pos, token, order):
         ctx.save_for_backward(src, weight, pos, token, order)
-        return _ops()[1](src, pos, weight)
+        return launch_or_op(_combine_rows, _combine_op)(src, pos, weight)
 
     @staticmethod
     def backward(ctx, dy):
         src, weight, pos, token, order = ctx.saved_tensors
-        gather, _, weight_grad = _ops()
+        gather = launch_or_op(_gather_rows, _gather_op)
+        weight_grad = launch_or_op(_combine_weight_grad, _combine_weight_grad_op)
         dsrc = gather(dy, token, weight.reshape(-1)[order]) if ctx.needs_input_grad[0] else None
         dweight = weight_grad(dy, src, pos) if ctx.needs_input_grad[1] else None
         return dsrc, dweight, None, None, None
@@ -272,13 +262,6 @@ def moe_ref(x, router_weight, w_gate, w_up, w_down, top_k, aux_loss_coef=0.01, z
     return y.to(x.dtype).reshape(shape), aux
 
 
-def _grouped(x, w, offs):
-    # offs are built below and valid by construction: skip the public API's host-side check (a GPU sync).
-    if torch.compiler.is_compiling():
-        return _grouped_mm_op(x, w, offs)
-    return _GroupedMM.apply(x, w, offs)
-
-
 def moe(x, router_weight, w_gate, w_up, w_down, top_k, aux_loss_coef=0.01, z_loss_coef=0.0):
     """The MoE layer's forward on x (..., d); returns (y shaped like x, aux_loss). See the module docstring."""
     check_tensor(x, "x", min_ndim=2)
@@ -290,6 +273,8 @@ def moe(x, router_weight, w_gate, w_up, w_down, top_k, aux_loss_coef=0.01, z_los
         )
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k must be between 1 and the number of experts ({E}), got {top_k}")
+    if not use_triton(x, op="moe"):  # CPU without the interpreter: the reference, differentiated by autograd
+        return moe_ref(x, router_weight, w_gate, w_up, w_down, top_k, aux_loss_coef, z_loss_coef)
     shape = x.shape
     x = x.reshape(-1, d)  # (T, d)
     logits, probs, weights, experts = _route(x, router_weight, top_k)
@@ -301,8 +286,9 @@ def moe(x, router_weight, w_gate, w_up, w_down, top_k, aux_loss_coef=0.01, z_los
     pos = pos.view(-1, top_k)  # (T, k): the sorted row of each (token, slot)
     offs = torch.bincount(flat_experts, minlength=E).cumsum(0).to(torch.int32)
     xs = _Dispatch.apply(x, token, pos)  # (T*k, d), rows of each expert contiguous
-    h = swiglu(_grouped(xs, w_gate, offs), _grouped(xs, w_up, offs))  # (T*k, d_ff)
-    out = _grouped(h, w_down, offs)  # (T*k, d)
+    # offs are valid by construction: the Function skips grouped_mm's host-side check (a GPU sync)
+    h = swiglu(_GroupedMM.apply(xs, w_gate, offs), _GroupedMM.apply(xs, w_up, offs))  # (T*k, d_ff)
+    out = _GroupedMM.apply(h, w_down, offs)  # (T*k, d)
     y = _Combine.apply(out, weights, pos, token, order)  # (T, d): k weighted rows per token, summed in float32
     aux = _aux_loss(logits, probs, experts, E, aux_loss_coef, z_loss_coef)
     return y.reshape(shape), aux

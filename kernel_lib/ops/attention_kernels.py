@@ -7,13 +7,15 @@ algorithm; copy both files (and ``_utils.py``) together.
 import triton
 import triton.language as tl
 
-from ._utils import configs_for_autotune, prune_by_shared_memory
+from ._utils import autotuned
 
 LOG2E = 1.4426950408889634  # log2(e), for host code; kernels spell the literal (jit globals must be constexpr)
 
 
 # --------------------------------------------------------------------------------------------------
-# Configs: pruned by shared memory (q tile + double-buffered k and v tiles), one config when interpreting
+# Configs. Each launch takes the config a heuristic below picks from the shape (``*_preferred``: best first, the
+# launcher keeps the first that fits the device's shared memory); KERNEL_LIB_AUTOTUNE=1 searches the whole list.
+# The first config of each list runs anywhere and is the one interpreted.
 # --------------------------------------------------------------------------------------------------
 def _smem_bytes(config, args) -> int:
     d = args.get("HEAD_DIM", 128)
@@ -28,6 +30,14 @@ _FWD_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=4),
 ]
+
+
+def fwd_preferred(N: int, D: int, causal: bool, window: bool) -> list:
+    """Forward configs for this shape, best first. 128-query tiles win once each program has many key blocks to
+    stream; short or windowed rows, and small heads under a causal mask, leave too little work per tile for them."""
+    small, large = _FWD_CONFIGS[1], _FWD_CONFIGS[2]
+    few_keys = window or (N <= 1024 if D >= 128 else causal and N < 4096)
+    return [small, _FWD_CONFIGS[0]] if few_keys else [large, small, _FWD_CONFIGS[0]]
 
 
 @triton.jit
@@ -101,11 +111,6 @@ def _fwd_steps(
     return acc, l_i, m_i
 
 
-@triton.autotune(
-    configs=configs_for_autotune(_FWD_CONFIGS),
-    key=["N", "M", "HEAD_DIM", "CAUSAL", "WINDOW"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(_smem_bytes)},
-)
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D), (B, Hkv, M, D), (B, Hkv, M, D); unit stride along D
@@ -188,6 +193,22 @@ _DQ_CONFIGS = [
 ]
 
 
+def dkdv_preferred(N: int, D: int, causal: bool) -> list:
+    """dK/dV configs, best first: 128 keys held per program; with small heads, 64 unless long causal rows."""
+    if D >= 128:
+        return [_DKDV_CONFIGS[3], _DKDV_CONFIGS[4], _DKDV_CONFIGS[0]]
+    if causal and N >= 3000:
+        return [_DKDV_CONFIGS[1], _DKDV_CONFIGS[4], _DKDV_CONFIGS[0]]
+    return [_DKDV_CONFIGS[4], _DKDV_CONFIGS[0]]
+
+
+def dq_preferred(D: int, causal: bool) -> list:
+    """dQ configs, best first: 128-query tiles, except small heads under a causal mask."""
+    if D <= 64 and causal:
+        return [_DQ_CONFIGS[4], _DQ_CONFIGS[0]]
+    return [_DQ_CONFIGS[3], _DQ_CONFIGS[4], _DQ_CONFIGS[0]]
+
+
 def _smem_bytes_dkdv(config, args) -> int:
     d = args.get("HEAD_DIM", 128)
     m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
@@ -258,11 +279,6 @@ def _dkdv_steps(
     return dk, dv
 
 
-@triton.autotune(
-    configs=configs_for_autotune(_DKDV_CONFIGS),
-    key=["N", "M", "HEAD_DIM", "CAUSAL", "WINDOW"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(_smem_bytes_dkdv)},
-)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # q (B, Hq, N, D), k and v (B, Hkv, M, D), dout (B, Hq, N, D) contiguous
@@ -349,11 +365,6 @@ def _dq_steps(
     return dq
 
 
-@triton.autotune(
-    configs=configs_for_autotune(_DQ_CONFIGS),
-    key=["N", "M", "HEAD_DIM", "CAUSAL", "WINDOW"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(_smem_bytes_dq)},
-)
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # as in the dK/dV kernel
@@ -412,3 +423,10 @@ def _attn_bwd_dq_kernel(
         dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, skn, svn,
                        full_hi, hi, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
     tl.store(dq_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
+
+
+# The same kernels under triton.autotune, launched instead when KERNEL_LIB_AUTOTUNE=1.
+_TUNING_KEY = ["N", "M", "HEAD_DIM", "CAUSAL", "WINDOW"]
+_attn_fwd_tuned = autotuned(_attn_fwd_kernel, _FWD_CONFIGS, _TUNING_KEY, _smem_bytes)
+_attn_bwd_dkdv_tuned = autotuned(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS, _TUNING_KEY, _smem_bytes_dkdv)
+_attn_bwd_dq_tuned = autotuned(_attn_bwd_dq_kernel, _DQ_CONFIGS, _TUNING_KEY, _smem_bytes_dq)

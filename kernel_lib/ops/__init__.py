@@ -1,0 +1,28 @@
+"""The kernel files of kernel_lib, one per kernel family; ``kernel_lib`` re-exports their public functions.
+
+Importing a module here gives the module (``from kernel_lib.ops import softmax`` is the file, with its launchers,
+kernels and reference), while ``kernel_lib.softmax`` is the function. Every file needs ``_utils.py`` beside it; a
+few need siblings too. To use a kernel in your project, copy these files into one package folder:
+
+* ``norms.py``, ``softmax.py``, ``swiglu.py``, ``rope.py``, ``cross_entropy.py``, ``grouped_mm.py``: with
+  ``_utils.py`` alone;
+* ``linear_cross_entropy.py``: with ``_utils.py`` and ``cross_entropy.py``;
+* ``attention.py``: with ``_utils.py``, ``attention_kernels.py`` and ``rope.py`` (for ``MultiHeadAttention``'s
+  rotary embedding; ``flash_attention`` alone does not import it);
+* ``moe.py``: with ``_utils.py``, ``grouped_mm.py`` and ``swiglu.py``.
+
+``COMPANIONS`` says the same for code; ``tests/test_copy_alone.py`` copies each file with exactly these
+companions into an empty folder, imports it there and runs it forward and backward.
+"""
+
+COMPANIONS = {
+    "norms.py": (),
+    "softmax.py": (),
+    "swiglu.py": (),
+    "rope.py": (),
+    "cross_entropy.py": (),
+    "linear_cross_entropy.py": ("cross_entropy.py",),
+    "attention.py": ("attention_kernels.py", "rope.py"),
+    "grouped_mm.py": (),
+    "moe.py": ("grouped_mm.py", "swiglu.py"),
+}
