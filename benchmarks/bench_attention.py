@@ -15,17 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernel_lib import bench  # noqa: E402
-from kernel_lib.attention import attention_ref, flash_attention  # noqa: E402
-
-
-def visible_pairs(N, window):
-    """Query-key pairs a causal (optionally windowed) mask keeps, for N = M."""
-    if window is None:
-        return N * (N + 1) // 2
-    return sum(min(i + 1, window) for i in range(N))
+from kernel_lib import attention_ref, bench, flash_attention
 
 
 def sdpa_with(backend):
@@ -102,7 +92,7 @@ def main() -> int:
     for N, D, causal, window in cases:
         B, H = max(1, 16384 // N), 2048 // D
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        pairs = N * N if not causal else visible_pairs(N, window)
+        pairs = bench.visible_pairs(N, causal=causal, window=window)
         fwd_flops = 4 * B * H * D * pairs
         ours = flash_attention(q, k, v, causal=causal, window=window)
         tail = slice(N - 128, N)

@@ -12,9 +12,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernel_lib import bench  # noqa: E402
+from kernel_lib import bench
 
 
 def main() -> int:

@@ -16,11 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernel_lib import bench, validate  # noqa: E402
-from kernel_lib.cross_entropy import cross_entropy, cross_entropy_ref  # noqa: E402
-from kernel_lib.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref  # noqa: E402
+from kernel_lib import bench, cross_entropy, cross_entropy_ref, linear_cross_entropy, linear_cross_entropy_ref, validate
 
 
 def _upcast_ce(logits, target):

@@ -20,11 +20,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernel_lib import bench, validate  # noqa: E402
-from kernel_lib.grouped_mm import grouped_mm, grouped_mm_ref  # noqa: E402
-from kernel_lib.moe import MoE, moe_ref  # noqa: E402
+from kernel_lib import MoE, bench, grouped_mm, grouped_mm_ref, moe_ref, validate
+from kernel_lib.bench import expert_counts, group_bounds, imbalance, loop_mm, skew_router
 
 SHAPES = {
     "fine-grained": dict(T=16384, d=2048, d_ff=1408, E=64, top_k=6),
@@ -32,41 +29,17 @@ SHAPES = {
 }
 
 
-def expert_counts(n_assignments, E, skew, generator):
-    """Rows per expert: uniform (multinomial with equal odds) or skewed (a quarter of the experts take ~3/4)."""
-    odds = torch.ones(E)
-    if skew:
-        odds[: max(1, E // 4)] = 9.0
-    picks = torch.multinomial(odds / odds.sum(), n_assignments, replacement=True, generator=generator)
-    return torch.bincount(picks, minlength=E)
-
-
-def imbalance(counts) -> float:
-    """Largest expert's rows over the mean: 1.0 is perfect balance."""
-    counts = counts.float()
-    return float(counts.max() / counts.mean())
-
-
-def loop_mm(x, w, bounds):
-    """The per-expert loop, with the group bounds already on the host."""
-    out = x.new_empty(x.shape[0], w.shape[2])
-    for e, (start, end) in enumerate(bounds):
-        if end > start:
-            torch.mm(x[start:end], w[e], out=out[start:end])
-    return out
-
-
-def bench_grouped_mm(name, T, d, d_ff, E, top_k, rows_out, generator):
+def bench_grouped_mm(name, T, d, d_ff, E, top_k, rows_out):
     n = T * top_k
     w = (torch.randn(E, d, d_ff, device="cuda") / d**0.5).to(torch.bfloat16)
     x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
     dense_w = w[0]
     flops = 2 * n * d * d_ff
     for skew in (False, True):
-        counts = expert_counts(n, E, skew, generator)
+        # skewed: a quarter of the experts 9x as likely, so they take about three quarters of the rows
+        counts = expert_counts(n, E, hot_odds=9.0 if skew else 1.0, n_hot=max(1, E // 4), seed=int(skew))
         offs = counts.cumsum(0).to(device="cuda", dtype=torch.int32)
-        ends = offs.tolist()
-        bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+        bounds = group_bounds(offs)
         impls = {
             # check_offs=False: no host read of offs per call (torch._grouped_mm does none either)
             "kernel_lib": lambda offs=offs: grouped_mm(x, w, offs, check_offs=False),
@@ -102,16 +75,7 @@ def _routing(skew) -> str:
     return "skewed" if skew else "uniform"
 
 
-def skew_router(layer, x, n_hot, strength):
-    """Tilt the router toward ``n_hot`` experts: add a shared direction to their rows and to every token."""
-    direction = torch.randn(x.shape[-1], device=x.device)
-    direction = direction / direction.norm()
-    with torch.no_grad():
-        layer.router.weight[:n_hot] += (strength * direction).to(layer.router.weight.dtype)
-    return x + direction.to(x.dtype)
-
-
-def bench_layer(name, T, d, d_ff, E, top_k, rows_out, generator, reps_ms):
+def bench_layer(name, T, d, d_ff, E, top_k, rows_out, reps_ms):
     torch.manual_seed(0)
     layer = MoE(d, d_ff, E, top_k, device="cuda", dtype=torch.bfloat16)
     params = (layer.router.weight, layer.w_gate, layer.w_up, layer.w_down)
@@ -168,14 +132,13 @@ def main() -> int:
     env = bench.environment()
     print(f"{env['device']} | torch {env['torch']} | triton {env['triton']}")
     print(f"bf16 matmul ceiling: {bench.matmul_tflops(torch.bfloat16):,.0f} TFLOP/s", flush=True)
-    generator = torch.Generator().manual_seed(0)
     rows = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         if "grouped_mm" in args.parts:
-            bench_grouped_mm(name, **shape, rows_out=rows, generator=generator)
+            bench_grouped_mm(name, **shape, rows_out=rows)
         if "layer" in args.parts:
-            bench_layer(name, **shape, rows_out=rows, generator=generator, reps_ms=args.layer_rep_ms)
+            bench_layer(name, **shape, rows_out=rows, reps_ms=args.layer_rep_ms)
     frame = bench.to_frame(rows)
     print(f"wrote {bench.write_csv(rows, os.path.join(args.out, 'moe.csv'), env=env)}")
     return 0 if frame["correct"].all() else 1

@@ -1,26 +1,24 @@
 """kernel_lib: the optimized components of the course "Making PyTorch fast on GPUs".
 
-Each kernel family lives in one file (``rms_norm.py``, ``attention.py``, ``moe.py`` ...) that works on its
-own with ``_utils.py``; copy the two into a project to use a kernel. This package also holds the course's
-measuring tools:
+The kernels live in :mod:`kernel_lib.ops`, one file per family (``ops/norms.py``, ``ops/attention.py``,
+``ops/moe.py`` ...), each working with ``ops/_utils.py`` and the few siblings that ``kernel_lib.ops`` lists;
+their public functions and modules are re-exported here, so ``kernel_lib.rms_norm`` is the function and
+``kernel_lib.ops.norms`` its file. The package also holds the course's measuring tools:
 
-* :mod:`kernel_lib.bench`: timing with CUDA events, measured ceilings, CSV rows and plots;
+* :mod:`kernel_lib.bench`: timing with CUDA events, host and CUDA-graph time, measured ceilings, CSV rows, plots;
 * :mod:`kernel_lib.validate`: the float64 comparison rule every kernel passes.
-
-Kernels are exported here as they land.
 """
 
 from . import bench, validate
-from .attention import MultiHeadAttention, attention_ref, flash_attention
-from .cross_entropy import cross_entropy, cross_entropy_ref
-from .grouped_mm import grouped_mm, grouped_mm_ref
-from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
-from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
-from .moe import MoE, moe, moe_ref
-from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
-from .rope import rope, rope_cos_sin, rope_ref
-from .softmax import softmax, softmax_ref
-from .swiglu import geglu, geglu_ref, swiglu, swiglu_ref
+from .ops.attention import MultiHeadAttention, attention_ref, flash_attention
+from .ops.cross_entropy import cross_entropy, cross_entropy_ref
+from .ops.grouped_mm import grouped_mm, grouped_mm_ref
+from .ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
+from .ops.moe import MoE, moe, moe_ref
+from .ops.norms import LayerNorm, RMSNorm, layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
+from .ops.rope import rope, rope_cos_sin, rope_ref
+from .ops.softmax import softmax, softmax_ref
+from .ops.swiglu import geglu, geglu_ref, swiglu, swiglu_ref
 
 __version__ = "0.1.0"
 

@@ -7,10 +7,16 @@ Every number in the course goes through :func:`time_fn`:
   ``flush_l2=False`` times the same way without the wipe, to show what the cache does.
 * CPU: a ``time.perf_counter`` loop with the same warm-up/median structure (the numbers are CPU numbers).
 
-Results carry the median and the 20th/80th percentiles. :func:`measure_ceilings` measures the two
-roofs every throughput is compared with: device-to-device copy bandwidth (bytes read + bytes written)
-and dense matmul TFLOP/s per dtype. :func:`environment` records GPU, torch and triton versions and the
-time, and every CSV row written here carries them.
+Results carry the median and the 20th/80th percentiles. Two other clocks: :func:`host_ms`, what the host
+pays to issue one call (Python, dispatch, launches), and :func:`graph_ms`, the GPU time of one call replayed
+from a CUDA graph (no host work between kernels). :func:`sweep` checks every implementation of an operation
+against a float64 reference and then times them over a list of shapes, as a DataFrame.
+
+:func:`measure_ceilings` measures the two roofs every throughput is compared with: device-to-device copy
+bandwidth (bytes read + bytes written) and dense matmul TFLOP/s per dtype. :func:`environment` records GPU,
+torch and triton versions and the time, and every CSV row written here carries them. The last section holds
+the workloads the notebooks and the benchmark scripts share (MoE routing, the per-expert loop, attention's
+visible pairs), so that both measure the same thing.
 
 pandas, matplotlib and tqdm are imported inside the functions that need them, so kernel files that
 import nothing from here stay copyable without them.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import math
 import os
 import platform
 import statistics
@@ -29,7 +36,18 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import validate
+
 QUANTILES = (0.5, 0.2, 0.8)
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _device_type(device: str | torch.device | None) -> str:
+    """'cuda' or 'cpu' (or whatever ``device`` names); by default CUDA when available."""
+    return torch.device(device).type if device is not None else _default_device()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,7 +158,7 @@ def time_fn(
     ``device`` says where ``fn`` runs; by default CUDA when available, else CPU. On CUDA the L2 cache is
     wiped before each call unless ``flush_l2=False``. On the CPU the timer is ``time.perf_counter``.
     """
-    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = _device_type(device)
     if device_type == "cuda":
         if flush_l2:
             return _timing_from_samples(_do_bench_samples(fn, warmup_ms, rep_ms), "cuda-events", True)
@@ -160,7 +178,7 @@ def repeat_in_graph(
     time one by one. ``fn`` must not synchronize or allocate differently between calls. On the CPU the
     callable is a plain loop.
     """
-    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = _device_type(device)
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if device_type != "cuda":
@@ -181,6 +199,48 @@ def repeat_in_graph(
         for _ in range(repeats):
             fn()
     return graph.replay
+
+
+def host_ms(
+    fn: Callable[[], object], reps: int = 200, warmup: int = 10, device: str | torch.device | None = None
+) -> float:
+    """Host time of one call of ``fn``, in ms: the median wall time of ``reps`` calls issued one at a time.
+
+    What a Python caller pays to issue the call (Python, PyTorch's dispatcher, autograd's bookkeeping, kernel
+    launches): the host's time, not the GPU's. ``warmup`` calls come first (compiling, autotuning). On a GPU the
+    device is drained after each call, outside the timed region, so that every timed call starts with an empty
+    launch queue: were the queue to fill (a step whose kernels take longer than the host needs to issue them),
+    the host would wait for the GPU and the timer would measure the GPU instead. No synchronization sits inside
+    the timed region. The median, not the mean: a few calls slowed by the operating system move a mean.
+    On the CPU (``device="cpu"``, or no GPU) the same loop times calls that do their work on the host.
+    """
+    if reps < 1:
+        raise ValueError(f"reps must be at least 1, got {reps}")
+    sync = torch.cuda.synchronize if _device_type(device) == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+        sync()
+    return 1e3 * statistics.median(samples)
+
+
+def graph_ms(
+    fn: Callable[[], object], repeats: int = 5, device: str | torch.device | None = None, **timing_kwargs
+) -> float:
+    """GPU time of one call of ``fn``, in ms, with the host out of the way: replayed from a CUDA graph.
+
+    :func:`repeat_in_graph` captures ``repeats`` back-to-back calls (after a warm-up on a side stream) and
+    :func:`time_fn` times the replay (``timing_kwargs``: ``warmup_ms``, ``rep_ms``, ``flush_l2``); the median is
+    divided by ``repeats``. ``fn`` must be capturable: no synchronization, no host reads of device values. On
+    the CPU the "graph" is a plain loop, so the result is the loop's time per call.
+    """
+    replay = repeat_in_graph(fn, repeats, device=device)
+    return time_fn(replay, device=device, **timing_kwargs).median_ms / repeats
 
 
 def gbps(nbytes: float, ms: float) -> float:
@@ -207,7 +267,7 @@ def _triton_version() -> str:
 
 def device_name(device: str | torch.device | None = None) -> str:
     """'NVIDIA H100 80GB HBM3' for a GPU, the processor's name for the CPU."""
-    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = _device_type(device)
     if device_type == "cuda":
         return torch.cuda.get_device_name(torch.device(device) if device is not None else None)
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
@@ -231,10 +291,6 @@ def l2_cache_bytes(device: int = 0) -> int | None:
     if not torch.cuda.is_available():
         return None
     return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def copy_bandwidth(nbytes: int | None = None, device: str | None = None, **timing_kwargs) -> float:
@@ -381,6 +437,115 @@ def timing_frame(timings: dict[str, Timing]):
 
 
 # --------------------------------------------------------------------------------------------------
+# Check, then time: implementations of one operation over a list of shapes
+# --------------------------------------------------------------------------------------------------
+def _as_outputs(result) -> tuple:
+    """A function's result as a tuple of tensors (a tensor alone, or the tensors of a tuple or list)."""
+    if isinstance(result, torch.Tensor):
+        return (result,)
+    if isinstance(result, (tuple, list)):
+        return tuple(result)
+    raise TypeError(f"sweep compares tensors or tuples of tensors, got {type(result).__name__}")
+
+
+def _float64(value):
+    """A float64 copy of a floating-point tensor (keeping requires_grad, as a fresh leaf); anything else as is."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().to(torch.float64).requires_grad_(value.requires_grad)
+    return value
+
+
+def _progress(items: list, desc: str, show: bool):
+    """``items`` behind a tqdm.auto progress bar when tqdm is installed and ``show``; the bare list otherwise."""
+    if not show:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False)
+
+
+def sweep(
+    implementations: dict[str, Callable[..., object]],
+    cases: Iterable[dict],
+    make_inputs: Callable[..., Sequence],
+    reference: Callable[..., object],
+    *,
+    baseline: str | None = None,
+    nbytes: Callable[..., float] | None = None,
+    flops: Callable[..., float] | None = None,
+    name: str = "",
+    factor: float = 2.0,
+    atol: float = 1e-6,
+    rtol: float = 0.0,
+    progress: bool = True,
+    **timing_kwargs,
+):
+    """Check every implementation against a float64 reference, then time it, for each case: a DataFrame.
+
+    Each case is a dict of shape parameters, e.g. ``{"rows": 32768, "D": 4096}``. For each one in turn:
+
+    1. ``make_inputs(**case)`` builds the inputs (a sequence of tensors and other arguments);
+    2. ``reference`` runs on float64 copies of the floating-point inputs (the truth; a copy keeps
+       ``requires_grad``, so a reference may differentiate) and on the inputs as given (PyTorch's own rounding);
+    3. every implementation runs on the inputs and is compared, output by output (a tensor or a tuple of
+       tensors), by :func:`kernel_lib.validate.check` with ``factor``, ``atol`` and ``rtol``. A failure raises
+       AssertionError naming the implementation and the case, before any implementation of that case is timed;
+    4. :func:`time_fn` times each implementation (``timing_kwargs``: ``warmup_ms``, ``rep_ms``, ``flush_l2``,
+       ``device``, which defaults to the device of the first tensor input).
+
+    One row per (case, implementation), in that order: ``name``, the case's parameters, ``impl``, ``median_ms``,
+    ``p20_ms``, ``p80_ms``, ``gbps`` and ``tflops`` (counted by ``nbytes(**case)`` and ``flops(**case)``, else
+    None), ``max_abs_err`` (the largest over the outputs) and ``ratio_to_baseline``: this row's median over the
+    ``baseline`` implementation's median in the same case (2.0: twice the baseline's time; with your kernel as
+    the baseline, that is your kernel's speed-up over this row), None without a baseline. A progress bar over
+    the cases is shown when tqdm is installed (``progress=False`` hides it).
+    """
+    if baseline is not None and baseline not in implementations:
+        raise ValueError(f"baseline {baseline!r} is not one of the implementations {list(implementations)}")
+    cases = list(cases)
+    rows = []
+    for case in _progress(cases, name or "sweep", progress):
+        inputs = list(make_inputs(**case))
+        want = _as_outputs(reference(*[_float64(value) for value in inputs]))
+        torch_lowp = _as_outputs(reference(*inputs))
+        errors = {}
+        for impl, fn in implementations.items():
+            got = _as_outputs(fn(*inputs))
+            where = f"{name + ': ' if name else ''}{impl} at {case}"
+            if len(got) != len(want):
+                raise AssertionError(f"{where}: {len(got)} outputs, the reference has {len(want)}")
+            errors[impl] = 0.0
+            for i, (out, ref, base) in enumerate(zip(got, want, torch_lowp, strict=True)):
+                label = where if len(want) == 1 else f"{where}, output {i}"
+                verdict = validate.check(out, ref, base, name=label, factor=factor, atol=atol, rtol=rtol)
+                if not verdict.ok:
+                    raise AssertionError(f"sweep refuses to time a wrong result: {verdict}")
+                errors[impl] = max(errors[impl], verdict.kernel.max_abs)
+        del want, torch_lowp
+        device = timing_kwargs.get("device") or next((v.device for v in inputs if isinstance(v, torch.Tensor)), None)
+        timing_args = {**timing_kwargs, "device": device}
+        case_rows = []
+        for impl, fn in implementations.items():
+            timing = time_fn(lambda fn=fn, inputs=inputs: fn(*inputs), **timing_args)
+            row = result_row(
+                name,
+                timing,
+                nbytes=nbytes(**case) if nbytes is not None else None,
+                flops=flops(**case) if flops is not None else None,
+                **case,
+                impl=impl,
+            )
+            case_rows.append({**row, "max_abs_err": errors[impl]})
+        base_ms = next((r["median_ms"] for r in case_rows if r["impl"] == baseline), None)
+        for row in case_rows:
+            row["ratio_to_baseline"] = row["median_ms"] / base_ms if base_ms else None
+        rows += case_rows
+    return to_frame(rows)
+
+
+# --------------------------------------------------------------------------------------------------
 # Plots
 # --------------------------------------------------------------------------------------------------
 def _axes(ax):
@@ -522,3 +687,93 @@ def glue(name: str, value, display: bool = False) -> None:
     prefix = "" if display else "application/papermill.record/"
     metadata["scrapbook"] = {"name": name, "mime_prefix": prefix}
     ipy_display({prefix + k: v for k, v in bundle.items()}, raw=True, metadata=metadata)
+
+
+# --------------------------------------------------------------------------------------------------
+# Workloads the notebooks and the scripts share
+# --------------------------------------------------------------------------------------------------
+def expert_counts(n_rows: int, E: int, hot_odds: float = 1.0, n_hot: int = 1, seed: int = 0) -> torch.Tensor:
+    """Rows per expert as a router deals them: an int64 tensor of E counts summing to ``n_rows``.
+
+    Each of the ``n_rows`` assignments (T tokens times top_k) picks an expert at random, the first ``n_hot``
+    experts ``hot_odds`` times as likely as the others: 1 is uniform routing, ``math.inf`` sends every row to
+    the hot experts. The course's skewed routing is ``hot_odds=9, n_hot=max(1, E // 4)`` (a quarter of the
+    experts take three quarters of the rows). Drawn on the CPU from ``seed``: the same seed, the same counts.
+    """
+    finite = math.isfinite(hot_odds)
+    odds = torch.ones(E) if finite else torch.zeros(E)
+    odds[:n_hot] = hot_odds if finite else 1.0
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.multinomial(odds / odds.sum(), n_rows, replacement=True, generator=generator)
+    return torch.bincount(picks, minlength=E)
+
+
+def imbalance(counts: torch.Tensor) -> float:
+    """The largest group over the mean group: 1.0 is perfect balance."""
+    return float(counts.max() / counts.float().mean())
+
+
+def group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) rows of every group from grouped_mm's cumulative ends ``offs``, on the host.
+
+    ``offs.tolist()`` waits until the GPU has computed ``offs``: call it once, outside a timed loop, unless the
+    synchronization is what is measured.
+    """
+    ends = offs.tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def loop_mm(x: torch.Tensor, w: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The per-expert loop that a grouped GEMM replaces: out[start:end] = x[start:end] @ w[e] for each group.
+
+    x (rows, K) sorted by group, w (E, K, N), ``bounds`` from :func:`group_bounds`, already on the host (which
+    flatters the loop: a real one reads them from the device). One matmul launch per non-empty group, written
+    straight into the output.
+    """
+    out = x.new_empty(x.shape[0], w.shape[2])
+    for e, (start, end) in enumerate(bounds):
+        if end > start:
+            torch.mm(x[start:end], w[e], out=out[start:end])
+    return out
+
+
+def skew_router(layer, x: torch.Tensor, n_hot: int, strength: float = 4.0, seed: int = 7) -> torch.Tensor:
+    """Tilt an MoE layer's router toward its first ``n_hot`` experts; return the tokens to route.
+
+    Adds one random unit direction (drawn from ``seed`` on x's device), times ``strength``, to those experts'
+    router rows (in place, without gradient), and returns ``x`` plus that direction: every token then scores
+    the hot experts higher. ``layer`` is anything with a ``router.weight`` of shape (E, d), e.g.
+    ``kernel_lib.MoE``.
+    """
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    direction = torch.randn(x.shape[-1], device=x.device, generator=generator)
+    direction = direction / direction.norm()
+    with torch.no_grad():
+        layer.router.weight[:n_hot] += (strength * direction).to(layer.router.weight.dtype)
+    return x + direction.to(x.dtype)
+
+
+def _pairs_up_to(n: int, window: int | None) -> int:
+    """Keys seen by the queries at positions 0 .. n-1 of a causal mask: sum over p of min(p + 1, window)."""
+    if window is None or n <= window:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
+def visible_pairs(N: int, M: int | None = None, *, causal: bool = False, window: int | None = None) -> int:
+    """Query-key pairs an attention mask keeps, for N queries over M keys (M = N by default).
+
+    The masks of :func:`kernel_lib.flash_attention`, bottom-right aligned (query i sits at key position
+    i + M - N, so the last query sees the last key): causal keeps keys j <= i + M - N, a window of W (which
+    needs causal) keeps the last W of those. Attention's FLOPs are 4 D per visible pair forward.
+    """
+    M = N if M is None else M
+    if window is not None:
+        if not causal:
+            raise ValueError("window needs causal=True (a sliding window looks back from each query)")
+        if window < 1:
+            raise ValueError(f"window must be a positive number of keys, got {window}")
+    if not causal:
+        return N * M
+    # Queries sit at key positions M - N .. M - 1; a position p < 0 (N > M) sees no key.
+    return _pairs_up_to(M, window) - _pairs_up_to(max(0, M - N), window)

@@ -5,7 +5,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernel_lib._utils import is_interpreting
+from kernel_lib.ops._utils import is_interpreting
 from kernel_lib.validate import assert_close, check, report
 
 BF16_ROUNDS_TO_NEAREST = True  # set by round_bf16_to_nearest_in_interpreter() when the patch cannot apply
@@ -117,4 +117,68 @@ def check_forward_backward(
     return text
 
 
-__all__ = ["check_forward_backward", "assert_close"]
+def _grad_leaves(inputs: Sequence) -> list:
+    """Fresh copies of ``inputs`` (same layout), each tensor requiring grad exactly when the original does."""
+    return [_like(t, requires_grad=isinstance(t, torch.Tensor) and t.requires_grad) for t in inputs]
+
+
+def check_compiled_matches_eager(fn: Callable, inputs: Sequence, *, atol: float = 1e-5, rtol: float = 1e-5):
+    """``torch.compile(fn, fullgraph=True)`` (any graph break raises) against ``fn`` in eager mode, forward and
+    backward: the outputs and the gradients of every input that requires grad must match. Returns the compiled
+    output, for further checks."""
+    eager_in, compiled_in = _grad_leaves(inputs), _grad_leaves(inputs)
+    want = fn(*eager_in)
+    got = torch.compile(fn, fullgraph=True)(*compiled_in)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    wrt = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    dy = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, [eager_in[i] for i in wrt], dy)
+    got_grads = torch.autograd.grad(got, [compiled_in[i] for i in wrt], dy)
+    for i, g, w in zip(wrt, got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=lambda m, i=i: f"d(input {i}), compiled: {m}")
+    return got
+
+
+def check_frozen_inputs_get_no_gradient(
+    fn: Callable, reference: Callable, inputs: Sequence, *, compiled: bool, atol: float = 1e-4, rtol: float = 1e-4
+) -> None:
+    """Backward through ``fn`` (eager, or compiled with fullgraph=True) leaves ``.grad`` None on every input that
+    does not require grad (a frozen parameter), and matches ``reference``'s gradients on the others."""
+    fn = torch.compile(fn, fullgraph=True) if compiled else fn
+    inputs = _grad_leaves(inputs)
+    out = fn(*inputs)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    leaves = _grad_leaves(inputs)
+    reference(*leaves).backward(dy)
+    for i, (got, want) in enumerate(zip(inputs, leaves, strict=True)):
+        if not isinstance(got, torch.Tensor):
+            continue
+        assert (got.grad is None) == (want.grad is None), f"input {i}: grad {got.grad is not None} vs reference"
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, atol=atol, rtol=rtol)
+
+
+def check_cpu_fallback(monkeypatch, fn: Callable, reference: Callable, inputs: Sequence, **tolerances) -> None:
+    """On CPU tensors without ``TRITON_INTERPRET``, ``fn`` warns once that the reference runs instead, returns
+    the reference's result, and its gradients pass ``check_forward_backward`` (autograd through the reference)."""
+    import pytest
+
+    from kernel_lib.ops import _utils
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_utils, "_warned", set())
+    with pytest.warns(UserWarning, match="reference runs instead"):
+        out = fn(*inputs)
+    torch.testing.assert_close(out, reference(*inputs), atol=1e-6, rtol=1e-6)
+    check_forward_backward(fn, reference, inputs, **tolerances)
+
+
+__all__ = [
+    "check_forward_backward",
+    "check_compiled_matches_eager",
+    "check_frozen_inputs_get_no_gradient",
+    "check_cpu_fallback",
+    "rows_input",
+    "assert_close",
+]

@@ -139,3 +139,143 @@ def test_repeat_in_graph_replays_every_call():
     replay()
     torch.cuda.synchronize()
     assert x[0].item() == before + 20
+
+
+def test_host_ms_is_a_positive_median_on_cpu():
+    calls = []
+    ms = bench.host_ms(lambda: (calls.append(1), time.sleep(0.001)), reps=15, warmup=3, device="cpu")
+    assert len(calls) == 18  # warm-up calls, then the timed ones
+    assert 0.9 <= ms <= 50  # sleep never returns early; a loaded machine may be late
+    with pytest.raises(ValueError, match="at least 1"):
+        bench.host_ms(lambda: None, reps=0, device="cpu")
+
+
+def test_graph_ms_on_cpu_is_time_per_call_of_the_loop():
+    calls = []
+    ms = bench.graph_ms(lambda: (calls.append(1), time.sleep(0.001)), repeats=4, device="cpu", warmup_ms=1, rep_ms=5)
+    assert len(calls) % 4 == 0 and len(calls) >= 12  # whole loops of 4, at least 3 timed
+    assert 0.9 <= ms <= 50
+
+
+def _scale(x, s):
+    return x * s
+
+
+def _make_scale_inputs(n):
+    return [torch.randn(n, n), 3.0]
+
+
+def test_sweep_checks_then_times_and_returns_a_frame():
+    impls = {"twice": lambda x, s: _scale(x, s), "mul": torch.mul}
+    frame = bench.sweep(
+        impls,
+        [{"n": 8}, {"n": 32}],
+        _make_scale_inputs,
+        _scale,
+        baseline="twice",
+        nbytes=lambda n: 2 * n * n * 4,
+        flops=lambda n: n * n,
+        name="scale",
+        progress=False,
+        warmup_ms=1,
+        rep_ms=2,
+    )
+    assert list(frame.columns) == [
+        "name", "n", "impl", "median_ms", "p20_ms", "p80_ms", "gbps", "tflops", "max_abs_err", "ratio_to_baseline",
+    ]  # fmt: skip
+    assert list(zip(frame["n"], frame["impl"], strict=True)) == [(8, "twice"), (8, "mul"), (32, "twice"), (32, "mul")]
+    assert (frame["name"] == "scale").all() and (frame["median_ms"] > 0).all() and (frame["gbps"] > 0).all()
+    assert (frame.loc[frame.impl == "twice", "ratio_to_baseline"] == 1.0).all()
+    assert (frame["max_abs_err"] < 1e-5).all()
+
+
+def test_sweep_refuses_a_wrong_implementation_before_timing(monkeypatch):
+    timed = []
+    monkeypatch.setattr(bench, "time_fn", lambda *args, **kwargs: timed.append(1))
+    impls = {"right": _scale, "off by one": lambda x, s: x * s + 1}
+    with pytest.raises(AssertionError, match=r"off by one at \{'n': 16\}"):
+        bench.sweep(impls, [{"n": 16}], _make_scale_inputs, _scale, progress=False)
+    assert not timed
+    with pytest.raises(ValueError, match="baseline"):
+        bench.sweep(impls, [{"n": 16}], _make_scale_inputs, _scale, baseline="missing", progress=False)
+
+
+def test_sweep_checks_tuples_of_gradients_against_float64():
+    def step(fn):
+        def run(x, dy):
+            return torch.autograd.grad(fn(x), x, dy)
+
+        return run
+
+    def make(n):
+        return [torch.randn(n, n, dtype=torch.float16).requires_grad_(), torch.randn(n, n, dtype=torch.float16)]
+
+    impls = {"tanh": step(torch.tanh), "sigmoid (wrong)": step(torch.sigmoid)}
+    frame = bench.sweep({"tanh": impls["tanh"]}, [{"n": 8}], make, step(torch.tanh), progress=False, rep_ms=2)
+    assert frame["max_abs_err"].iloc[0] <= 1e-2
+    with pytest.raises(AssertionError, match="sigmoid"):
+        bench.sweep(impls, [{"n": 8}], make, step(torch.tanh), progress=False, rep_ms=2)
+
+
+def _brute_force_pairs(N, M, causal, window):
+    # the mask of kernel_lib.flash_attention's reference, counted
+    from kernel_lib.ops.attention import _visible
+
+    return int(_visible(N, M, causal, window, "cpu").sum())
+
+
+@pytest.mark.parametrize("N, M", [(1, 1), (7, 7), (64, 64), (5, 13), (13, 5), (100, 37), (37, 100)])
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 1), (True, 4), (True, 16), (True, 500)])
+def test_visible_pairs_counts_the_mask(N, M, causal, window):
+    assert bench.visible_pairs(N, M, causal=causal, window=window) == _brute_force_pairs(N, M, causal, window)
+
+
+def test_visible_pairs_defaults_and_rejections():
+    assert bench.visible_pairs(8) == 64 and bench.visible_pairs(8, causal=True) == 36
+    assert bench.visible_pairs(10, causal=True, window=3) == 1 + 2 + 3 * 8
+    with pytest.raises(ValueError, match="causal"):
+        bench.visible_pairs(8, window=4)
+    with pytest.raises(ValueError, match="positive"):
+        bench.visible_pairs(8, causal=True, window=0)
+
+
+@pytest.mark.parametrize("hot_odds", [1.0, 9.0, float("inf")])
+def test_expert_counts_sum_and_seed(hot_odds):
+    counts = bench.expert_counts(1000, 16, hot_odds=hot_odds, n_hot=4, seed=5)
+    assert counts.shape == (16,) and int(counts.sum()) == 1000
+    assert torch.equal(counts, bench.expert_counts(1000, 16, hot_odds=hot_odds, n_hot=4, seed=5))
+    if hot_odds == float("inf"):
+        assert int(counts[4:].sum()) == 0
+    if hot_odds == 9.0:
+        assert int(counts[:4].sum()) > 600  # 36 of 48 odds: three quarters of the rows, on average
+    assert not torch.equal(bench.expert_counts(1000, 16, seed=1), bench.expert_counts(1000, 16, seed=2))
+
+
+def test_loop_mm_and_group_bounds_match_a_grouped_product():
+    counts = torch.tensor([3, 0, 5, 2])
+    offs = counts.cumsum(0).to(torch.int32)
+    bounds = bench.group_bounds(offs)
+    assert bounds == [(0, 3), (3, 3), (3, 8), (8, 10)]
+    x, w = torch.randn(10, 6), torch.randn(4, 6, 5)
+    want = torch.cat([x[s:e] @ w[g] for g, (s, e) in enumerate(bounds)])
+    torch.testing.assert_close(bench.loop_mm(x, w, bounds), want)
+    assert bench.imbalance(counts) == pytest.approx(5 / 2.5)
+
+
+def test_skew_router_tilts_routing_toward_the_hot_experts():
+    from kernel_lib import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(32, 8, 8, 2)
+    x = torch.randn(512, 32)
+    before = torch.bincount((x @ layer.router.weight.T).topk(2).indices.reshape(-1), minlength=8)
+    tilted = bench.skew_router(layer, x, n_hot=2)
+    after = torch.bincount((tilted @ layer.router.weight.T).topk(2).indices.reshape(-1), minlength=8)
+    assert int(after[:2].sum()) > int(before[:2].sum()) and int(after[:2].sum()) > 512
+
+
+@pytest.mark.gpu
+def test_host_and_graph_ms_on_gpu():
+    x = torch.zeros(2**20, device="cuda")
+    assert 0 < bench.host_ms(lambda: x.add_(1.0), reps=50) < 5  # one launch: microseconds, not milliseconds
+    assert 0 < bench.graph_ms(lambda: x.add_(1.0), repeats=10, flush_l2=False) < 1

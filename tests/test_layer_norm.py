@@ -1,22 +1,27 @@
-"""kernel_lib.layer_norm against float64, forward and all three gradients, plus compile, op checks and bad input."""
+"""kernel_lib.layer_norm against float64, forward and all three gradients, plus compile, op checks and bad input.
 
-import importlib
+LayerNorm shares its kernels with RMSNorm (kernel_lib/ops/norms.py); the finish kernel is tested here for both."""
 
 import pytest
 import torch
 import triton
 
-from kernel_lib.layer_norm import (
+from kernel_lib.ops import norms as norm_module
+from kernel_lib.ops.norms import (
     _FINISH_BLOCK_D,
     _FINISH_BLOCK_P,
     LayerNorm,
-    _layer_norm_bwd_finish_kernel,
+    _norm_bwd_finish_kernel,
     layer_norm,
     layer_norm_ref,
 )
-from tests._checks import check_forward_backward, rows_input
-
-norm_module = importlib.import_module("kernel_lib.layer_norm")  # not the function of that name
+from tests._checks import (
+    check_compiled_matches_eager,
+    check_cpu_fallback,
+    check_forward_backward,
+    check_frozen_inputs_get_no_gradient,
+    rows_input,
+)
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
     pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
@@ -83,15 +88,15 @@ FINISH_SHAPES = [  # (programs, D) of the backward kernel's partial sums
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("affine", ["weight and bias", "weight only", "bias only"])
+@pytest.mark.parametrize("affine", ["weight and bias", "weight only", "bias only"])  # weight only: RMSNorm's
 @pytest.mark.parametrize("programs, D", FINISH_SHAPES, ids=str)
 def test_finish_kernel_sums_the_partials(device, programs, D, affine, dtype):
     has_weight, has_bias = affine != "bias only", affine != "weight only"
     partial = torch.randn(has_weight + has_bias, programs, D, device=device)  # dweight's partials, then dbias's
     dw = torch.full((D,), float("nan"), device=device, dtype=dtype)
     db = torch.full((D,), float("nan"), device=device, dtype=dtype)
-    _layer_norm_bwd_finish_kernel[(triton.cdiv(D, _FINISH_BLOCK_D),)](
-        partial, dw, db, programs, D, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
+    _norm_bwd_finish_kernel[(triton.cdiv(D, _FINISH_BLOCK_D),)](
+        partial, dw, db, programs, D, WEIGHT_GRAD=has_weight, BIAS_GRAD=has_bias,
         BLOCK_P=_FINISH_BLOCK_P, BLOCK_D=_FINISH_BLOCK_D,
     )  # fmt: skip
     written = [g for g, has in ((dw, has_weight), (db, has_bias)) if has]
@@ -112,15 +117,12 @@ def test_module_matches_torch_nn_layernorm(device):
     assert LayerNorm(8, bias=False).bias is None and "bias=False" in repr(LayerNorm(8, bias=False))
 
 
-def test_compiles_without_graph_break(device):
+def test_compiles_without_graph_break(device):  # fullgraph: any graph break raises
     x = torch.randn(4, 32, device=device, requires_grad=True)
     w = torch.randn(32, device=device, requires_grad=True)
     b = torch.randn(32, device=device, requires_grad=True)
-    compiled = torch.compile(lambda x, w, b: layer_norm(x, w, b) * 2 + 1, fullgraph=True)
-    y = compiled(x, w, b)
-    y.sum().backward()
+    y = check_compiled_matches_eager(lambda x, w, b: layer_norm(x, w, b) * 2 + 1, [x, w, b])  # and 3 gradients
     torch.testing.assert_close(y, layer_norm_ref(x, w, b) * 2 + 1, atol=1e-5, rtol=1e-5)
-    assert x.grad is not None and w.grad is not None and b.grad is not None
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -129,32 +131,23 @@ def test_frozen_parameters_get_no_gradient(device, frozen, compiled):
     x = torch.randn(6, 40, device=device, requires_grad=True)
     w = torch.randn(40, device=device, requires_grad=frozen == "bias")
     b = torch.randn(40, device=device, requires_grad=frozen == "weight")
-    fn = torch.compile(layer_norm, fullgraph=True) if compiled else layer_norm
-    dy = torch.randn(6, 40, device=device)
-    fn(x, w, b).backward(dy)
-    leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, w, b)]
-    layer_norm_ref(*leaves).backward(dy)
-    for got, want in zip((x, w, b), leaves, strict=True):
-        assert (got.grad is None) == (want.grad is None)
-        if want.grad is not None:
-            torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-4)
+    check_frozen_inputs_get_no_gradient(layer_norm, layer_norm_ref, [x, w, b], compiled=compiled)
 
 
-def test_opcheck(device):
-    x, w, b = torch.randn(3, 40, device=device), torch.randn(40, device=device), torch.randn(40, device=device)
-    torch.library.opcheck(torch.ops.kernel_lib.layer_norm_fwd.default, (x, w, b, 1e-5))
-    torch.library.opcheck(torch.ops.kernel_lib.layer_norm_fwd.default, (x, None, None, 1e-5))
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "none"])
+def test_opcheck(device, affine):  # inputs without requires_grad: the ops have no autograd of their own
+    x, dy = torch.randn(3, 40, device=device), torch.randn(3, 40, device=device)
+    w, b = (torch.randn(40, device=device), torch.randn(40, device=device)) if affine else (None, None)
+    torch.library.opcheck(torch.ops.kernel_lib.norm_fwd.default, (x, w, b, 1e-5, False))
+    _, mean, rstd = torch.ops.kernel_lib.norm_fwd(x, w, b, 1e-5, False)
+    for weight_grad, bias_grad in [(True, True), (False, True), (False, False)]:  # False: a frozen parameter
+        args = (dy, x, w, b, mean, rstd, False, weight_grad, bias_grad)
+        torch.library.opcheck(torch.ops.kernel_lib.norm_bwd.default, args)
 
 
 def test_cpu_without_interpreter_falls_back_to_the_reference(monkeypatch):
-    from kernel_lib import _utils
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(_utils, "_warned", set())
     x, w, b = _inputs((5, 33), torch.float32, "cpu")
-    with pytest.warns(UserWarning, match="reference runs instead"):
-        layer_norm(x, w, b)
-    check_forward_backward(layer_norm, layer_norm_ref, [x, w, b, 1e-5], atol=1e-5, rtol=1e-5)
+    check_cpu_fallback(monkeypatch, layer_norm, layer_norm_ref, [x, w, b, 1e-5], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,13 @@
 """kernel_lib.linear_cross_entropy against float64, loss and the gradients of h and weight, across row chunks."""
 
 import functools
+
 import pytest
 import torch
 
+from kernel_lib.ops import linear_cross_entropy as lce_module
 from kernel_lib.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from tests._checks import check_forward_backward
-
-from kernel_lib.ops import linear_cross_entropy as lce_module
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
     pytest.param(torch.float32, 1e-5, 1e-4, id="fp32"),

@@ -1,22 +1,20 @@
-"""kernel_lib.rms_norm against float64, forward and both gradients, plus compile, op checks and bad input."""
+"""kernel_lib.rms_norm against float64, forward and both gradients, plus compile, op checks and bad input.
 
-import importlib
+RMSNorm and LayerNorm share one kernel file (kernel_lib/ops/norms.py); the finish kernel that sums dweight's
+partials is tested in test_layer_norm.py, with every combination of dweight and dbias."""
 
 import pytest
 import torch
-import triton
 
-from kernel_lib.rms_norm import (
-    _FINISH_BLOCK_D,
-    _FINISH_BLOCK_P,
-    RMSNorm,
-    _rms_norm_bwd_finish_kernel,
-    rms_norm,
-    rms_norm_ref,
+from kernel_lib.ops import norms as norm_module
+from kernel_lib.ops.norms import RMSNorm, rms_norm, rms_norm_ref
+from tests._checks import (
+    check_compiled_matches_eager,
+    check_cpu_fallback,
+    check_forward_backward,
+    check_frozen_inputs_get_no_gradient,
+    rows_input,
 )
-from tests._checks import check_forward_backward, rows_input
-
-norm_module = importlib.import_module("kernel_lib.rms_norm")  # not the function of that name
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
     pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
@@ -71,25 +69,6 @@ def test_wide_loop_over_many_rows_per_program(device, monkeypatch, dtype, atol, 
     check_forward_backward(rms_norm, rms_norm_ref, [x, w, 1e-6], atol=atol, rtol=rtol)
 
 
-FINISH_SHAPES = [  # (programs, D) of the backward kernel's partial sums
-    (1, 1),  # one program, one column
-    (3, 999),  # width not a multiple of the finish kernel's column block
-    (300, 40),  # more programs than one loop step reads, and not a multiple of it
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("programs, D", FINISH_SHAPES, ids=str)
-def test_finish_kernel_sums_the_partials(device, programs, D, dtype):
-    partial = torch.randn(programs, D, device=device)
-    dw = torch.full((D,), float("nan"), device=device, dtype=dtype)
-    _rms_norm_bwd_finish_kernel[(triton.cdiv(D, _FINISH_BLOCK_D),)](
-        partial, dw, programs, D, BLOCK_P=_FINISH_BLOCK_P, BLOCK_D=_FINISH_BLOCK_D
-    )
-    want = partial.double().sum(0).to(dtype)  # float32 sums, rounded once to dtype
-    torch.testing.assert_close(dw, want, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 2**-7)
-
-
 def test_large_magnitude_inputs_do_not_overflow(device):
     x = torch.randn(4, 512, device=device).mul(300).half()  # x² overflows float16, not the float32 accumulator
     w = torch.randn(512, device=device).half()
@@ -115,50 +94,34 @@ def test_module_matches_torch_nn_rmsnorm(device):
     assert "96, eps=1e-05" in repr(ours)
 
 
-def test_compiles_without_graph_break(device):
+def test_compiles_without_graph_break(device):  # fullgraph: any graph break raises
     x = torch.randn(4, 32, device=device, requires_grad=True)
     w = torch.randn(32, device=device, requires_grad=True)
-
-    def block(x, w):
-        return rms_norm(x, w) * 2 + 1
-
-    compiled = torch.compile(block, fullgraph=True)  # fullgraph: any graph break raises
-    y = compiled(x, w)
-    y.sum().backward()
-    torch.testing.assert_close(y, block(x, w), atol=1e-5, rtol=1e-5)
-    assert x.grad is not None and w.grad is not None
+    y = check_compiled_matches_eager(lambda x, w: rms_norm(x, w) * 2 + 1, [x, w])  # output and both gradients
+    torch.testing.assert_close(y, rms_norm_ref(x, w) * 2 + 1, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_frozen_weight_gets_no_gradient(device, compiled):  # as in fine-tuning with frozen norms
     x = torch.randn(6, 40, device=device, requires_grad=True)
     w = torch.randn(40, device=device)
-    fn = torch.compile(rms_norm, fullgraph=True) if compiled else rms_norm
-    dy = torch.randn(6, 40, device=device)
-    fn(x, w).backward(dy)
-    x_ref = x.detach().requires_grad_()
-    rms_norm_ref(x_ref, w).backward(dy)
-    assert w.grad is None
-    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-4, rtol=1e-4)
+    check_frozen_inputs_get_no_gradient(rms_norm, rms_norm_ref, [x, w], compiled=compiled)
 
 
-def test_opcheck(device):
-    x = torch.randn(3, 40, device=device)
-    w = torch.randn(40, device=device)
-    torch.library.opcheck(torch.ops.kernel_lib.rms_norm_fwd.default, (x, w, 1e-6))
-    torch.library.opcheck(torch.ops.kernel_lib.rms_norm_fwd.default, (x, None, 1e-6))
+@pytest.mark.parametrize("weight", [True, False], ids=["weight", "no weight"])
+def test_opcheck(device, weight):  # inputs without requires_grad: the ops have no autograd of their own
+    x, dy = torch.randn(3, 40, device=device), torch.randn(3, 40, device=device)
+    w = torch.randn(40, device=device) if weight else None
+    torch.library.opcheck(torch.ops.kernel_lib.norm_fwd.default, (x, w, None, 1e-6, True))
+    _, mean, rstd = torch.ops.kernel_lib.norm_fwd(x, w, None, 1e-6, True)
+    for weight_grad in [True, False]:  # False: a frozen weight
+        args = (dy, x, w, None, mean, rstd, True, weight_grad, False)
+        torch.library.opcheck(torch.ops.kernel_lib.norm_bwd.default, args)
 
 
 def test_cpu_without_interpreter_falls_back_to_the_reference(monkeypatch):
-    from kernel_lib import _utils
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(_utils, "_warned", set())
-    x, w = torch.randn(5, 33, requires_grad=True), torch.randn(33, requires_grad=True)
-    with pytest.warns(UserWarning, match="reference runs instead"):
-        y = rms_norm(x, w)
-    check_forward_backward(rms_norm, rms_norm_ref, [x, w, 1e-6], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(y, rms_norm_ref(x, w), atol=1e-6, rtol=1e-6)
+    x, w = torch.randn(5, 33), torch.randn(33)
+    check_cpu_fallback(monkeypatch, rms_norm, rms_norm_ref, [x, w, 1e-6], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

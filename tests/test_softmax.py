@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from kernel_lib.ops.softmax import softmax, softmax_ref
-from tests._checks import check_forward_backward
-
 # The module itself (kernel_lib.softmax, the attribute, is the function the package exports).
 from kernel_lib.ops import softmax as softmax_module
+from kernel_lib.ops.softmax import softmax, softmax_ref
+from tests._checks import check_forward_backward
 
 
 def torch_softmax(x):

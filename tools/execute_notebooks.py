@@ -17,9 +17,7 @@ import time
 import nbformat
 from nbclient import NotebookClient
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kernel_lib from this checkout
-
-from kernel_lib.bench import environment  # noqa: E402
+from kernel_lib.bench import environment
 
 
 def execute(path: str, timeout: int) -> float:

@@ -17,19 +17,24 @@ LOG2E = 1.4426950408889634  # log2(e), for host code; kernels spell the literal 
 # launcher keeps the first that fits the device's shared memory); KERNEL_LIB_AUTOTUNE=1 searches the whole list.
 # The first config of each list runs anywhere and is the one interpreted.
 # --------------------------------------------------------------------------------------------------
-def _smem_bytes(config, args) -> int:
+def _configs(*rows: tuple[int, int, int, int]) -> list:
+    """triton.Configs from (BLOCK_M, BLOCK_N, warps, stages) rows; each list's first runs anywhere (interpreted)."""
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in rows]
+
+
+def _tiles_bytes(config, args, held: tuple[str, int], streamed: tuple[str, int]) -> int:
+    """Shared memory of one program: ``held`` tiles (block name, count) stay; ``streamed`` ones are buffered once per
+    pipeline stage but the last. Tiles are (block, HEAD_DIM) in 2-byte elements."""
     d = args.get("HEAD_DIM", 128)
-    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    return 2 * d * (m + 2 * n * max(1, config.num_stages - 1))
+    stages = max(1, config.num_stages - 1)
+    return 2 * d * (held[1] * config.kwargs[held[0]] + streamed[1] * config.kwargs[streamed[0]] * stages)
 
 
-_FWD_CONFIGS = [
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2),  # first: runs anywhere, interpreted
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=4),
-]
+def _smem_bytes(config, args) -> int:
+    return _tiles_bytes(config, args, held=("BLOCK_M", 1), streamed=("BLOCK_N", 2))  # q held; k, v streamed
+
+
+_FWD_CONFIGS = _configs((32, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4))
 
 
 def fwd_preferred(N: int, D: int, causal: bool, window: bool) -> list:
@@ -85,6 +90,33 @@ def _key_range(start_m, N, M, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDO
 
 
 @triton.jit
+def _query_block(Hq, GROUP, BLOCK_M: tl.constexpr):
+    """This program's first query, its (batch * head) index, batch, query head and key/value head. Under a causal
+    mask the last query blocks see the most keys; they get the first program ids, so the longest programs start
+    first and the short ones fill the tail (the forward and dQ kernels)."""
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    bh = tl.program_id(1)
+    h = bh % Hq
+    return start_m, bh, bh // Hq, h, h // GROUP
+
+
+@triton.jit
+def _unmasked_keys(start_m, lo, hi, N, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   WINDOW: tl.constexpr, WINDOW_SIZE):  # fmt: skip
+    """[full_lo, full_hi): the key blocks within [lo, hi) that every query of the block at start_m sees, so they
+    need no mask (the forward and dQ kernels; lo is a multiple of BLOCK_N)."""
+    full_lo = lo
+    full_hi = hi
+    if CAUSAL:  # keys up to the first query's position are seen by every query of the block
+        full_hi = tl.minimum(full_hi, (tl.maximum(0, start_m + 1 + (M - N)) // BLOCK_N) * BLOCK_N)
+    full_hi = tl.maximum(full_hi, lo)
+    if WINDOW:  # keys from the last query's window start on are seen by every query of the block
+        full_lo = tl.cdiv(tl.maximum(0, start_m + BLOCK_M + (M - N) - WINDOW_SIZE), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
+    return full_lo, full_hi
+
+
+@triton.jit
 def _fwd_steps(
     acc, l_i, m_i, q,  # running output, sum and max of this program's queries; its q tile
     k_base, v_base, offs_m, offs_d, skn, svn,
@@ -130,12 +162,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    # Causal: the last query blocks see the most keys; they get the first program ids, so the longest programs
-    # start first and the short ones fill the tail.
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = bh // Hq, bh % Hq
-    hk = h // GROUP
+    start_m, bh, b, h, hk = _query_block(Hq, GROUP, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
@@ -150,15 +177,10 @@ def _attn_fwd_kernel(
     lo, hi = _key_range(start_m, N, M, BLOCK_M, CAUSAL, WINDOW, WINDOW_SIZE)
     lo = (lo // BLOCK_N) * BLOCK_N
     # Key blocks [full_lo, full_hi) are whole (inside M) and seen by every query of the block: no mask. The
-    # blocks before (window edge) and after (causal edge, ragged end of the keys) are masked.
-    full_lo = lo
-    full_hi = (M // BLOCK_N) * BLOCK_N
-    if CAUSAL:  # keys up to the first query's position are seen by every query of the block
-        full_hi = tl.minimum(full_hi, (tl.maximum(0, start_m + 1 + (M - N)) // BLOCK_N) * BLOCK_N)
-    full_hi = tl.maximum(full_hi, lo)
-    if WINDOW:  # keys from the last query's window start on are seen by every query of the block
-        full_lo = tl.cdiv(tl.maximum(0, start_m + BLOCK_M + (M - N) - WINDOW_SIZE), BLOCK_N) * BLOCK_N
-        full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
+    # blocks before (window edge) and after (causal edge, ragged end of the keys: -inf scores) are masked.
+    full_lo, full_hi = _unmasked_keys(start_m, lo, (M // BLOCK_N) * BLOCK_N, N, M, BLOCK_M, BLOCK_N,
+                                      CAUSAL, WINDOW, WINDOW_SIZE)  # fmt: skip
+    if WINDOW:
         acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, skn, svn, lo, full_lo,
                                    N, M, qk_scale, WINDOW_SIZE, True, CAUSAL, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, skn, svn, full_lo, full_hi,
@@ -177,20 +199,8 @@ def _attn_fwd_kernel(
 
 # Backward configs, one list per kernel: the dK/dV kernel holds BLOCK_N keys and streams BLOCK_M queries (and
 # dout) past them, the dQ kernel the other way round; each kernel's smem estimate counts the streamed tiles.
-_DKDV_CONFIGS = [
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2),  # first: runs anywhere, interpreted
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4, num_stages=5),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-]
-_DQ_CONFIGS = [
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2),  # first: runs anywhere, interpreted
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=5),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-]
+_DKDV_CONFIGS = _configs((32, 32, 4, 2), (32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 3), (64, 64, 4, 3))
+_DQ_CONFIGS = _configs((32, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 3), (64, 64, 4, 3))
 
 
 def dkdv_preferred(N: int, D: int, causal: bool) -> list:
@@ -210,15 +220,11 @@ def dq_preferred(D: int, causal: bool) -> list:
 
 
 def _smem_bytes_dkdv(config, args) -> int:
-    d = args.get("HEAD_DIM", 128)
-    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    return 2 * d * (2 * n + 2 * m * max(1, config.num_stages - 1))  # k, v held; q, dout streamed
+    return _tiles_bytes(config, args, held=("BLOCK_N", 2), streamed=("BLOCK_M", 2))  # k, v held; q, dout streamed
 
 
 def _smem_bytes_dq(config, args) -> int:
-    d = args.get("HEAD_DIM", 128)
-    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    return 2 * d * (2 * m + 2 * n * max(1, config.num_stages - 1))  # q, dout held; k, v streamed
+    return _tiles_bytes(config, args, held=("BLOCK_M", 2), streamed=("BLOCK_N", 2))  # q, dout held; k, v streamed
 
 
 @triton.jit
@@ -378,12 +384,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    # Causal: the last query blocks see the most keys; they get the first program ids, so the longest programs
-    # start first and the short ones fill the tail.
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = bh // Hq, bh % Hq
-    hk = h // GROUP
+    start_m, bh, b, h, hk = _query_block(Hq, GROUP, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q_mask = offs_m[:, None] < N
@@ -405,14 +406,8 @@ def _attn_bwd_dq_kernel(
     lo, hi = _key_range(start_m, N, M, BLOCK_M, CAUSAL, WINDOW, WINDOW_SIZE)
     lo = (lo // BLOCK_N) * BLOCK_N
     # Key blocks [lo, full_lo) and [full_hi, hi) are seen by part of this query block (masked), [full_lo, full_hi)
-    # by all of it.
-    full_lo = lo
-    full_hi = hi
-    if CAUSAL:  # keys up to the first query's position are seen by every query of the block
-        full_hi = tl.maximum((tl.maximum(0, start_m + 1 + (M - N)) // BLOCK_N) * BLOCK_N, lo)
-    if WINDOW:  # keys from the last query's window start on are seen by every query of the block
-        full_lo = tl.cdiv(tl.maximum(0, start_m + BLOCK_M + (M - N) - WINDOW_SIZE), BLOCK_N) * BLOCK_N
-        full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
+    # by all of it; keys past M load as zeros here, which add nothing to dq, so the ragged end needs no mask.
+    full_lo, full_hi = _unmasked_keys(start_m, lo, hi, N, M, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, WINDOW_SIZE)
     qk_scale = scale * 1.4426950408889634
     if WINDOW:
         dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, skn, svn,
