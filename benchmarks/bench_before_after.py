@@ -5,7 +5,8 @@ the current ``kernel_lib`` and an older one renamed ``kernel_lib_old`` (its cust
 ``kernel_lib_old::`` namespace, so both load at once), then for each op, alternating old and new twice:
 
 * GPU time of the forward and of forward + backward at a size that fills the GPU (``bench.time_fn``, L2 flushed);
-* host time of one forward + backward at a small size (``bench.host_ms``: what a Python caller pays per step).
+* host time of one forward + backward at a small size (``bench.host_ms``: what a Python caller pays per step),
+  the median over ``--rounds`` alternating rounds, with the spread between rounds.
 
 The outputs of old and new are compared first (same inputs, bf16 tolerance). Make the old copy with
 ``python benchmarks/bench_before_after.py --make-old <git ref>`` (it writes _build/old/kernel_lib_old), then run
@@ -97,6 +98,7 @@ def main() -> None:
         "--make-old", metavar="GIT_REF", help="export kernel_lib at GIT_REF as _build/old/kernel_lib_old"
     )
     parser.add_argument("--out", default="results", help="folder for the CSV file")
+    parser.add_argument("--rounds", type=int, default=6, help="alternating old/new rounds of host timing")
     args = parser.parse_args()
     if args.make_old:
         print(make_old(args.make_old))
@@ -114,21 +116,31 @@ def main() -> None:
         torch.testing.assert_close(new_call(), old_call(), atol=2e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
     rows = []
     for index, (name, _) in enumerate(big["new"]):
-        samples = {}
-        for rnd in range(2):
-            for version in ("old", "new") if rnd == 0 else ("new", "old"):  # alternate which goes first
-                call = big[version][index][1]
-                small_call = small[version][index][1]
-                fwd = bench.time_fn(lambda c=call: c()).median_ms
-                both = bench.time_fn(step(call)).median_ms
-                host = bench.host_ms(step(small_call), reps=200)
-                samples.setdefault(version, []).append((fwd, both, host))
-        for version, values in samples.items():
-            fwd, both, host = (sorted(v[i] for v in values)[0] for i in range(3))  # the better of the two rounds
-            rows.append(dict(op=name, version=version, fwd_ms=fwd, fwd_bwd_ms=both, host_fwd_bwd_us=1000 * host))
+        gpu, host = {}, {}
+        for rnd in range(args.rounds):
+            for version in ("old", "new") if rnd % 2 == 0 else ("new", "old"):  # alternate which goes first
+                call, small_call = big[version][index][1], small[version][index][1]
+                if rnd < 2:  # GPU times are steady: two rounds
+                    gpu.setdefault(version, []).append(
+                        (bench.time_fn(call).median_ms, bench.time_fn(step(call)).median_ms)
+                    )
+                host.setdefault(version, []).append(bench.host_ms(step(small_call), reps=200))
+        for version in ("old", "new"):
+            fwd, both = (min(v[i] for v in gpu[version]) for i in range(2))  # the better of the two rounds
+            per_round = sorted(host[version])
+            rows.append(
+                dict(
+                    op=name,
+                    version=version,
+                    fwd_ms=fwd,
+                    fwd_bwd_ms=both,
+                    host_fwd_bwd_us=1000 * per_round[len(per_round) // 2],  # median over rounds
+                    host_spread_us=1000 * (per_round[-1] - per_round[0]),
+                )
+            )
         print(name, "done", flush=True)
     frame = bench.to_frame(rows).pivot(index="op", columns="version")
-    for column in ("fwd_ms", "fwd_bwd_ms", "host_fwd_bwd_us"):
+    for column in ("fwd_ms", "fwd_bwd_ms", "host_fwd_bwd_us"):  # host_spread_us: max - min over the rounds
         frame[(column, "new/old")] = frame[(column, "new")] / frame[(column, "old")]
     print(frame.sort_index(axis=1).round(3).to_string())
     bench.write_csv(rows, os.path.join(args.out, "before_after.csv"))

@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from kernel_lib import ops
 
@@ -46,9 +47,14 @@ def test_every_public_file_has_a_smoke_test_and_a_companion_entry():
     assert files - helpers == set(ops.COMPANIONS) == set(SMOKE)
 
 
+# On a GPU machine the copies run compiled on CUDA tensors; without one, under the interpreter. Both machines also
+# check the CPU fallback to the reference.
+WHERE = ["cuda", "reference-fallback"] if torch.cuda.is_available() else ["interpreter", "reference-fallback"]
+
+
 @pytest.mark.parametrize("name", sorted(ops.COMPANIONS))
-@pytest.mark.parametrize("interpret", ["1", "0"], ids=["interpreter", "reference-fallback"])
-def test_copied_file_runs_alone(tmp_path, name, interpret):
+@pytest.mark.parametrize("where", WHERE)
+def test_copied_file_runs_alone(tmp_path, name, where):
     package = tmp_path / "copied"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -56,9 +62,10 @@ def test_copied_file_runs_alone(tmp_path, name, interpret):
         shutil.copy(os.path.join(OPS_DIR, file), package / file)
     module = name.removesuffix(".py")
     check = "import sys\nassert not any(n.startswith('kernel_lib') for n in sys.modules), 'kernel_lib was imported'"
-    script = f"import torch\nimport copied.{module} as m\n{SMOKE[name]}\n{check}\nprint('ok')\n"
+    device = "torch.set_default_device('cuda')\n" if where == "cuda" else ""
+    script = f"import torch\n{device}import copied.{module} as m\n{SMOKE[name]}\n{check}\nprint('ok')\n"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["TRITON_INTERPRET"] = interpret
+    env["TRITON_INTERPRET"] = "1" if where == "interpreter" else "0"
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         cwd=tmp_path,
