@@ -69,12 +69,9 @@ def main() -> int:
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     parser.add_argument("--head-dims", default="64,128")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_attention needs a CUDA GPU")
+    env = bench.require_gpu("bench_attention")
     from torch.nn.attention import SDPBackend
 
-    env = bench.environment()
-    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']}")
     peak = bench.matmul_tflops(torch.bfloat16)
     print(f"bf16 matmul ceiling: {peak:,.0f} TFLOP/s")
     impls = {

@@ -163,10 +163,7 @@ def main() -> None:
     parser.add_argument("--out", default="results", help="folder for the CSV files")
     parser.add_argument("--skip-heuristics", action="store_true", help="only the first-call measurements")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_autotune.py needs a CUDA GPU")
-    env = bench.environment()
-    print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}")
+    bench.require_gpu("bench_autotune.py")
     first = first_call_rows()
     print(bench.to_frame(first).round(2).to_string(index=False))
     bench.write_csv(first, os.path.join(args.out, "first_calls.csv"))

@@ -16,7 +16,6 @@ with ``PYTHONPATH=_build/old``. Writes <out>/before_after.csv and prints a table
 import argparse
 import os
 import subprocess
-import sys
 
 import torch
 
@@ -103,13 +102,10 @@ def main() -> None:
     if args.make_old:
         print(make_old(args.make_old))
         return
-    if not torch.cuda.is_available():
-        sys.exit("bench_before_after.py needs a CUDA GPU")
+    bench.require_gpu("bench_before_after.py")
     import kernel_lib_old
 
     libs = {"old": kernel_lib_old, "new": kernel_lib}
-    env = bench.environment()
-    print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}")
     big = {name: cases(lib, big=True) for name, lib in libs.items()}
     small = {name: cases(lib, big=False) for name, lib in libs.items()}
     for (name, new_call), (_, old_call) in zip(big["new"], big["old"], strict=True):

@@ -83,10 +83,7 @@ def main() -> int:
     parser.add_argument("--vocabularies", default="32000,50257,128256")
     parser.add_argument("--hidden", type=int, default=4096)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_cross_entropy needs a CUDA GPU")
-    env = bench.environment()
-    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']}")
+    env = bench.require_gpu("bench_cross_entropy")
     rows = []
     vocabularies = [int(v) for v in args.vocabularies.split(",")]
     bench_cross_entropy(args.tokens, vocabularies, rows)

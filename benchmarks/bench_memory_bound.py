@@ -155,17 +155,15 @@ def main() -> int:
     parser.add_argument("--elements", type=int, default=2**27, help="rows * D for every width")
     parser.add_argument("--ops", default="rms_norm,layer_norm,softmax,swiglu", help="comma-separated subset")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_memory_bound needs a CUDA GPU")
+    env = bench.require_gpu("bench_memory_bound")
     # Each compiled reference sees every width, with and without gradients: more graphs than Dynamo's default
     # recompile limit (8), past which it would silently run eagerly (named cache_size_limit before torch 2.6).
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
 
-    env = bench.environment()
     copy_gbps = bench.copy_bandwidth()
-    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | copy ceiling {copy_gbps:,.0f} GB/s")
+    print(f"copy ceiling {copy_gbps:,.0f} GB/s")
     widths = [int(w) for w in args.widths.split(",")]
     ops = {op: spec for op, spec in make_ops().items() if op in args.ops.split(",")}
     frame = measure(ops, widths, args.elements, copy_gbps, DTYPE.itemsize)

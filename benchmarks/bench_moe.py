@@ -127,10 +127,7 @@ def main() -> int:
     parser.add_argument("--parts", default="grouped_mm,layer", help="grouped_mm, layer or both")
     parser.add_argument("--layer-rep-ms", type=float, default=300.0)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_moe needs a CUDA GPU")
-    env = bench.environment()
-    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']}")
+    env = bench.require_gpu("bench_moe")
     print(f"bf16 matmul ceiling: {bench.matmul_tflops(torch.bfloat16):,.0f} TFLOP/s", flush=True)
     rows = []
     for name in args.shapes.split(","):

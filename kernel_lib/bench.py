@@ -286,6 +286,15 @@ def environment(device: str | torch.device | None = None) -> dict[str, str]:
     return info
 
 
+def require_gpu(script: str) -> dict[str, str]:
+    """For benchmark scripts: exit with one line without a CUDA GPU; else print and return :func:`environment`."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+    env = environment()
+    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']}", flush=True)
+    return env
+
+
 def l2_cache_bytes(device: int = 0) -> int | None:
     """The GPU's L2 cache size in bytes, or None when unknown (e.g. no GPU)."""
     if not torch.cuda.is_available():

@@ -102,18 +102,10 @@ def report(checks: Iterable[Check]) -> str:
     return "\n".join(str(c) for c in checks)
 
 
-def assert_close(
-    out: torch.Tensor,
-    ref: torch.Tensor,
-    baseline: torch.Tensor | None = None,
-    *,
-    name: str = "out",
-    factor: float = 2.0,
-    atol: float = 1e-6,
-    rtol: float = 0.0,
-) -> Check:
-    """:func:`check`, raising AssertionError with the readable report when the rule fails."""
-    result = check(out, ref, baseline, name=name, factor=factor, atol=atol, rtol=rtol)
+def assert_close(out: torch.Tensor, ref: torch.Tensor, baseline: torch.Tensor | None = None, **rule) -> Check:
+    """:func:`check` (``rule``: its keywords ``name``, ``factor``, ``atol``, ``rtol``), raising AssertionError with
+    the readable report when the rule fails."""
+    result = check(out, ref, baseline, **rule)
     if not result.ok:
         raise AssertionError(str(result))
     return result

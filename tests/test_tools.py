@@ -1,24 +1,17 @@
 """tools/: notebook execution with recorded metadata, and the table-of-contents check of the built book."""
 
-import importlib.util
 import os
 import sys
 
 import nbformat
 import pytest
 
+from tools import check_book, execute_notebooks  # tools/ is a namespace package on pytest's pythonpath
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_execute_records_device_and_versions(tmp_path):
-    execute_notebooks = _load("execute_notebooks")
     path = tmp_path / "tiny.ipynb"
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -33,7 +26,6 @@ def test_execute_records_device_and_versions(tmp_path):
 def test_execute_leaves_a_failing_notebook_untouched(tmp_path):
     from nbclient.exceptions import CellExecutionError
 
-    execute_notebooks = _load("execute_notebooks")
     path = tmp_path / "broken.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 / 0")]), path)
     before = path.read_text()
@@ -43,7 +35,6 @@ def test_execute_leaves_a_failing_notebook_untouched(tmp_path):
 
 
 def test_check_book_finds_missing_pages(tmp_path, monkeypatch, capsys):
-    check_book = _load("check_book")
     (tmp_path / "book").mkdir()
     for name in ("intro", "present", "absent"):
         (tmp_path / "book" / f"{name}.md").write_text(f"# {name}\n")

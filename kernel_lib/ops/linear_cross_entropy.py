@@ -16,11 +16,8 @@ backward only scales them. With ``reduction="none"`` the per-row upstream gradie
 which then recomputes each chunk's logits (four matmuls). Extra memory is one chunk of logits, never T x V.
 
 Precision: each chunk's dweight product accumulates in float32 inside the matmul and is added to dweight in the
-weight's dtype, so dweight is rounded once per chunk. Measured on the CPU in bf16: for the accumulation alone
-(fixed gradients, 4096 rows) the max error against float64 was 1.1x that of PyTorch's single matmul with 2 chunks,
-1.5x with 4, 2.3x with 8, 4.4x with 32; for the whole function (512 rows, 10 draws each) the median ratio to
-PyTorch's materialized computation was 1.50 with 1 chunk, 1.69 with 2, 1.92 with 4, 2.66 with 8 (maxima 2.4 to
-3.1: two computations of equal precision differ that much in their largest error). Hence large chunks
+weight's dtype, so dweight is rounded once per chunk, and its error grows with the number of chunks (measured on
+the CPU in bf16: benchmarks/NOTES.md, "Linear cross-entropy: chunks and dweight precision"). Hence large chunks
 (``CHUNK_BYTES`` = 512 MB: 4 chunks for 8192 tokens x 128256 vocabulary in bf16); a float32 accumulator would
 cost 4 V d bytes (2 GB for Llama 3's head), more than the logits chunks save.
 

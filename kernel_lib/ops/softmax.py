@@ -131,41 +131,27 @@ def _settings(D: int, element_bytes: int) -> tuple[int, int, int, bool]:
     return CHUNK, 1, 8, False
 
 
+def _launch(kernel, inputs: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Run ``kernel`` over the rows of ``inputs`` (the first gives the row stride; the others are contiguous) into
+    a new contiguous tensor shaped like ``like``: the forward (x -> y) and the backward (dy, y -> dx) alike."""
+    rows = [as_rows(t) for t in inputs]  # (n_rows, D) each
+    n_rows, D = rows[0].shape
+    out = torch.empty((n_rows, D), device=like.device, dtype=like.dtype)
+    if n_rows and D:
+        block_d, block_m, num_warps, one_pass = _settings(D, like.element_size())
+        kernel[(triton.cdiv(n_rows, block_m),)](
+            *rows, out, rows[0].stride(0), n_rows, D,
+            BLOCK_D=block_d, BLOCK_M=block_m, ONE_PASS=one_pass, num_warps=num_warps,
+        )  # fmt: skip
+    return out.view(like.shape)
+
+
 def _forward(x: torch.Tensor) -> torch.Tensor:
-    rows = as_rows(x)  # (n_rows, D)
-    n_rows, D = rows.shape
-    y = torch.empty((n_rows, D), device=x.device, dtype=x.dtype)
-    if n_rows == 0 or D == 0:
-        return y.view(x.shape)
-    block_d, block_m, num_warps, one_pass = _settings(D, x.element_size())
-    grid = (triton.cdiv(n_rows, block_m),)
-    _softmax_fwd_kernel[grid](
-        rows,
-        y,
-        rows.stride(0),
-        n_rows,
-        D,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        ONE_PASS=one_pass,
-        num_warps=num_warps,
-    )
-    return y.view(x.shape)
+    return _launch(_softmax_fwd_kernel, [x], x)
 
 
 def _backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    dy_rows, y_rows = as_rows(dy), as_rows(y)  # (n_rows, D) each; y is contiguous
-    n_rows, D = y_rows.shape
-    dx = torch.empty((n_rows, D), device=y.device, dtype=y.dtype)
-    if n_rows == 0 or D == 0:
-        return dx.view(y.shape)
-    block_d, block_m, num_warps, one_pass = _settings(D, y.element_size())
-    grid = (triton.cdiv(n_rows, block_m),)
-    _softmax_bwd_kernel[grid](
-        dy_rows, y_rows, dx, dy_rows.stride(0), n_rows, D,
-        BLOCK_D=block_d, BLOCK_M=block_m, ONE_PASS=one_pass, num_warps=num_warps,
-    )  # fmt: skip
-    return dx.view(y.shape)
+    return _launch(_softmax_bwd_kernel, [dy, y], y)
 
 
 # --------------------------------------------------------------------------------------------------
