@@ -186,7 +186,7 @@ def pick_config(preferred: Sequence, smallest, smem_bytes: Callable[[object, dic
     """Launch keywords for a matmul-like kernel: the first of ``preferred`` that fits the device's shared memory.
 
     ``preferred`` comes from a kernel file's heuristic, best first for the shape at hand (chosen against Triton's
-    full autotune on an H100 and H200: benchmarks/bench_autotune.py). ``smallest`` runs anywhere; it is the one
+    full autotune on an H100: benchmarks/bench_autotune.py). ``smallest`` runs anywhere; it is the one
     used under the interpreter, where small tiles keep the CPU run short.
     """
     if is_interpreting():
