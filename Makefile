@@ -50,7 +50,8 @@ endif
         book-strict check-gpu jupyter-from-wheelhouse install-book-active install-dev-active
 
 help: ## List the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST) \
+	  | sed -e 's/\$$(PORT)/$(PORT)/g' -e 's/\$$(PY)/$(PY)/g'  # show the values, not the variable names
 	@echo "  Variables: PYTHON=python3 (use that interpreter, no venv), WHEELHOUSE=wheelhouse (offline GPU machine)"
 
 # ------------------------------------------------------------------------------------------------ environments
