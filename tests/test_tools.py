@@ -34,6 +34,35 @@ def test_execute_leaves_a_failing_notebook_untouched(tmp_path):
     assert path.read_text() == before
 
 
+def _bar(state, mid, desc, value, total, right, hidden=False):
+    """A tqdm notebook bar as ipywidgets stores it: an HBox of HTML, FloatProgress, HTML, with a layout."""
+    for suffix, name, widget_state in (
+        ("l", "HTMLModel", {"value": desc}),
+        ("p", "FloatProgressModel", {"value": value, "max": total}),
+        ("r", "HTMLModel", {"value": right}),
+        ("y", "LayoutModel", {"visibility": "hidden"} if hidden else {}),
+    ):
+        state[mid + suffix] = {"model_name": name, "state": widget_state}
+    children = [f"IPY_MODEL_{mid}{s}" for s in "lpr"]
+    state[mid] = {"model_name": "HBoxModel", "state": {"children": children, "layout": f"IPY_MODEL_{mid}y"}}
+    return nbformat.v4.new_output("display_data", data={execute_notebooks.WIDGET_VIEW: {"model_id": mid}})
+
+
+def test_progress_bars_are_stored_as_text():
+    state = {"f0": {"model_name": "DropdownModel", "state": {}}}  # a real widget, which stays
+    shown = _bar(state, "aa", "softmax: 100%", 6, 6, "6/6 [00:05&lt;00:00]")
+    hidden = _bar(state, "bb", "inner: 100%", 3, 3, "3/3", hidden=True)
+    form = nbformat.v4.new_output("display_data", data={execute_notebooks.WIDGET_VIEW: {"model_id": "f0"}})
+    cell = nbformat.v4.new_code_cell("...", outputs=[shown, hidden, form])
+    notebook = nbformat.v4.new_notebook(cells=[cell])
+    notebook.metadata["widgets"] = {execute_notebooks.WIDGET_STATE: {"state": state}}
+    assert execute_notebooks.progress_bars_as_text(notebook) == 2
+    outputs = notebook.cells[0].outputs
+    assert [o["output_type"] for o in outputs] == ["stream", "display_data"]
+    assert outputs[0]["text"] == "softmax: 100% 6/6 [00:05<00:00]\n"
+    assert set(notebook.metadata["widgets"][execute_notebooks.WIDGET_STATE]["state"]) == {"f0"}
+
+
 def test_check_book_finds_missing_pages(tmp_path, monkeypatch, capsys):
     (tmp_path / "book").mkdir()
     for name in ("intro", "present", "absent"):

@@ -4,13 +4,20 @@ Each notebook runs top to bottom in a fresh kernel started from this Python (so 
 is used), its outputs and ipywidgets state are stored, and its metadata gets a ``kernel_course`` entry:
 device name, torch, triton and CUDA versions, and the date. A notebook that raises is not written back.
 
+Progress bars (tqdm's notebook widgets) are stored as one line of text with their final state, and those that
+closed themselves (``leave=False``, stored hidden) are dropped: a bar is only useful while a cell runs, and a
+stored widget renders as a blank gap where the widget manager is not loaded.
+
     python tools/execute_notebooks.py notebooks/00_measure_your_gpu.ipynb [...] [--timeout 1800]
+    python tools/execute_notebooks.py --progress-bars-only notebooks/*.ipynb   # just the progress-bar step
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import os
+import re
 import sys
 import time
 
@@ -18,6 +25,63 @@ import nbformat
 from nbclient import NotebookClient
 
 from kernel_lib.bench import environment
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def _progress_bar_text(model_id: str, state: dict) -> str | None:
+    """The last text of a tqdm bar (``desc: 100% 6/6 [00:05<00:00]``); '' for a hidden bar; None if not a bar."""
+    model = state.get(model_id, {})
+    children = [c.removeprefix("IPY_MODEL_") for c in model.get("state", {}).get("children", [])]
+    names = [state.get(c, {}).get("model_name") for c in children]
+    if model.get("model_name") != "HBoxModel" or names != ["HTMLModel", "FloatProgressModel", "HTMLModel"]:
+        return None
+    layout = state.get(model["state"].get("layout", "").removeprefix("IPY_MODEL_"), {}).get("state", {})
+    if layout.get("visibility") == "hidden":
+        return ""
+    left, _, right = (state[c]["state"] for c in children)  # tqdm writes "desc: 100%" left, "6/6 [time]" right
+    text = f"{html.unescape(left.get('value', ''))} {html.unescape(right.get('value', ''))}"
+    return re.sub(r"\s+", " ", text).strip() + "\n"
+
+
+def _referenced(model_ids: set, state: dict) -> set:
+    """The models reachable from ``model_ids`` through their ``IPY_MODEL_`` references."""
+    seen, todo = set(), list(model_ids)
+    while todo:
+        mid = todo.pop()
+        if mid in seen or mid not in state:
+            continue
+        seen.add(mid)
+        todo += re.findall(r"IPY_MODEL_([0-9a-f]+)", str(state[mid].get("state", {})))
+    return seen
+
+
+def progress_bars_as_text(notebook) -> int:
+    """Store each progress-bar widget output as a line of text (or drop it if hidden); prune the widget state to
+    the widgets still shown. Returns the number of bars replaced."""
+    widgets = notebook.metadata.get("widgets", {}).get(WIDGET_STATE, {})
+    state = widgets.get("state", {})
+    replaced, shown = 0, set()
+    for cell in notebook.cells:
+        outputs = []
+        for output in cell.get("outputs", []):
+            view = output.get("data", {}).get(WIDGET_VIEW)
+            text = _progress_bar_text(view["model_id"], state) if view else None
+            if text is None:
+                outputs.append(output)
+                if view:
+                    shown.add(view["model_id"])
+                continue
+            replaced += 1
+            if text:
+                outputs.append(nbformat.v4.new_output("stream", name="stdout", text=text))
+        if "outputs" in cell:
+            cell["outputs"] = outputs
+    if state:
+        keep = _referenced(shown, state)
+        widgets["state"] = {mid: model for mid, model in state.items() if mid in keep}
+    return replaced
 
 
 def execute(path: str, timeout: int) -> float:
@@ -32,6 +96,7 @@ def execute(path: str, timeout: int) -> float:
     start = time.perf_counter()
     client.execute()  # raises CellExecutionError on the first cell that fails; the file is left as it was
     seconds = time.perf_counter() - start
+    progress_bars_as_text(notebook)
     env = environment()
     notebook.metadata["kernel_course"] = {
         "device": env["device"],
@@ -50,7 +115,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="+")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per cell")
+    parser.add_argument(
+        "--progress-bars-only", action="store_true", help="only store the notebooks' progress bars as text; run nothing"
+    )
     args = parser.parse_args()
+    if args.progress_bars_only:
+        for path in args.notebooks:
+            notebook = nbformat.read(path, as_version=4)
+            count = progress_bars_as_text(notebook)
+            nbformat.write(notebook, path)
+            print(f"{path}: {count} progress bars stored as text")
+        return 0
     env = environment()
     print(f"executing on {env['device']} with torch {env['torch']}, triton {env['triton']}")
     for path in args.notebooks:
