@@ -1,0 +1,22 @@
+"""Monte Carlo graph search over kernel variants: the tool a reader runs on their own Triton or CUDA kernel.
+
+    python -m kernel_lib.search --input specs/rms_norm.json --outdir out --budget-builds 50
+    python -m kernel_lib.search --help
+
+or from Python::
+
+    from kernel_lib.search import optimize
+    result = optimize("specs/rms_norm.json", budget=50)
+    result.to_dataframe()
+
+Modules, one job each: ``spec`` (the kernel spec and its validation), ``contract`` (inputs, references, tensors on
+disk), ``variant`` (a node: source + launch), ``moves`` (canonical moves and rule generators), ``graph`` (PUCT,
+widening, backpropagation), ``search`` (the loop and ``optimize``), ``worker`` and ``runners`` (one evaluation),
+``pool`` (worker processes), ``llm`` (language-model moves), ``prior`` (Nsight Compute bottlenecks, the tactic
+graph), ``store`` (the files a run leaves), ``strategies`` (exhaustive, random and pattern search to compare with).
+"""
+
+from .search import SearchResult, Settings, optimize, optimize_all
+from .spec import KernelSpec, SpecError, find_specs, load_spec
+
+__all__ = ["KernelSpec", "SearchResult", "Settings", "SpecError", "find_specs", "load_spec", "optimize", "optimize_all"]

@@ -1,0 +1,117 @@
+"""``python -m kernel_lib.search``: the command line (``--help`` lists the flags). See kernel_lib/search/__init__.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kernel_lib.search",
+        description="Monte Carlo graph search over variants of a Triton or CUDA kernel, from a JSON spec.",
+        epilog="Examples:\n"
+        "  python -m kernel_lib.search --input specs/rms_norm.json --outdir out --gpus 0,1 --budget-builds 50\n"
+        "  python -m kernel_lib.search --input specs/ --no-llm --budget-builds 20\n"
+        "  python -m kernel_lib.search --input specs/rms_norm.json --outdir out --resume\n"
+        "  python -m kernel_lib.search --worker out/kernels/rms_norm/variants/<id>/control.json\n"
+        "Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1) at the specs' small_sizes.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--input", help="a spec file, or a folder of them (every *.json)")
+    p.add_argument("--outdir", default="out", help="where runs are written (default: out)")
+    p.add_argument("--gpus", default="0", help="comma-separated GPU indices, one worker process each (default: 0)")
+    p.add_argument("--budget-builds", type=int, default=50, help="evaluations per kernel, baseline included")
+    p.add_argument("--min-pred-gain", type=float, default=0.02, help="skip actions whose gain elsewhere is below it")
+    p.add_argument(
+        "--llm-model",
+        default=os.environ.get("KERNEL_SEARCH_LLM_MODEL"),
+        help="model for language-model "
+        "moves (default: $KERNEL_SEARCH_LLM_MODEL); endpoint from $OPENAI_BASE_URL, key $OPENAI_API_KEY",
+    )
+    p.add_argument("--no-llm", action="store_true", help="rule moves only")
+    p.add_argument("--ncu-every", type=int, default=0, help="profile every N-th visited node with Nsight Compute")
+    p.add_argument("--resume", action="store_true", help="continue a stopped or crashed run in --outdir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per evaluation, compile included")
+    p.add_argument("--small", action="store_true", help="use the specs' small_sizes (default on a CPU machine)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--worker", metavar="CONTROL_JSON", help="internal: evaluate one variant (reproduce it by hand)")
+    p.add_argument("--profile-only", action="store_true", help="with --worker: launch a few times, no timing")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the pool's long-lived worker
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.serve:
+        from .pool import die_with_parent
+        from .worker import serve
+
+        die_with_parent()
+        protocol = os.dup(1)
+        os.dup2(2, 1)  # stray prints go to the worker's log, not into the protocol channel
+        return serve(protocol)
+    if args.worker:
+        import json
+
+        from .worker import run_one
+
+        if args.profile_only:
+            path = args.worker
+            control = json.load(open(path))
+            control["profile_only"] = True
+            control["result"] = os.path.join(os.path.dirname(os.path.abspath(path)), "profile_result.json")
+            tmp = os.path.join(os.path.dirname(os.path.abspath(path)), "profile_control.json")
+            with open(tmp, "w") as f:
+                json.dump(control, f)
+            path = tmp
+        else:
+            path = args.worker
+        result = run_one(path)
+        print(json.dumps({k: v for k, v in result.items() if k != "errors"}))
+        return 0 if result["status"] in ("ok", "profiled") else 1
+    if not args.input:
+        _parser().error("--input is required (a spec file or a folder of specs)")
+    from .spec import SpecError, find_specs
+
+    try:
+        specs = find_specs(args.input)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+    except ValueError:
+        print(f"error: --gpus takes comma-separated integers, got {args.gpus!r}", file=sys.stderr)
+        return 2
+    from .llm import LLMUnavailable, client_from_settings
+    from .search import optimize
+
+    try:
+        llm = client_from_settings(args.llm_model, args.no_llm)
+    except LLMUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    status = 0
+    for spec in specs:
+        try:
+            result = optimize(
+                spec, budget=args.budget_builds, gpus=gpus, llm=llm, progress=not args.no_progress,
+                outdir=args.outdir, resume=args.resume, seed=args.seed, timeout=args.timeout,
+                min_pred_gain=args.min_pred_gain, ncu_every=args.ncu_every, **({"small": True} if args.small else {}),
+            )  # fmt: skip
+        except (RuntimeError, FileExistsError, SpecError) as exc:
+            print(f"{spec.name}: {exc}", file=sys.stderr)
+            status = 1
+            continue
+        print(
+            f"{spec.name}: best {result.best_id} {result.best_ms:.4g} ms, {result.speedup:.2f}x the baseline "
+            f"({result.baseline_ms:.4g} ms); trace {result.trace_path}"
+        )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

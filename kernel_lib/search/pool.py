@@ -1,0 +1,217 @@
+"""Workers: one long-lived process per ``--gpus`` entry, each evaluating one variant at a time.
+
+The orchestrator hands a worker the path of a control file on its stdin and reads ``done <path>`` back; the
+result itself is the ``result.json`` the worker wrote. A worker that hangs past the timeout is killed (its
+process group, so a compiler it started goes too); one that dies is recorded as a crash. Either way the pool
+writes the failed result.json itself and starts a fresh process for the next evaluation: the search goes on.
+
+Workers die with the orchestrator (``PR_SET_PDEATHSIG`` on Linux), so a ``kill -9`` of the search leaves no
+evaluation running that a resume would not know about.
+
+``TableEvaluator`` has the same interface and answers from a table of measurements (an exhaustive run's CSV):
+strategies compared on it see exactly the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .worker import write_json
+
+
+def devices_for(gpus: list[int]) -> list[str]:
+    """``cuda:<i>`` per entry on a GPU machine; on a CPU machine each entry is one CPU worker (the interpreter)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return [f"cuda:{i}" for i in gpus]
+    return ["cpu" for _ in gpus]
+
+
+class _Slot:
+    def __init__(self, index: int, device: str, log_dir: Path, timeout: float):
+        self.index, self.device, self.timeout = index, device, timeout
+        self.log_path = log_dir / f"worker-{index}.log"
+        self.proc: subprocess.Popen | None = None
+        self.busy = False
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        env["KERNEL_SEARCH_PARENT_PID"] = str(os.getpid())
+        log = open(self.log_path, "a")  # noqa: SIM115 - the child owns it for its lifetime
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kernel_lib.search", "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # its own process group: a timeout kills compilers it started too
+        )
+        log.close()
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self.proc = None
+
+    def evaluate(self, control_path: str) -> dict:
+        """Blocking: hand over one control file, wait for its result (or the timeout, or the worker's death)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        control = json.loads(Path(control_path).read_text())
+        result_path = control["result"]
+        started = time.time()
+        try:
+            self.proc.stdin.write(control_path + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self._kill()
+            return self._failed(control, result_path, "crash", "the worker process had exited", started)
+        deadline = started + self.timeout
+        while True:
+            left = deadline - time.time()
+            if left <= 0:
+                self._kill()
+                return self._failed(control, result_path, "timeout", f"no result within {self.timeout:g} s", started)
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            line = self.proc.stdout.readline()
+            if not line:  # EOF: the process died
+                code = self.proc.wait()
+                self.proc = None
+                why = f"signal {-code}" if code < 0 else f"exit code {code}"
+                return self._failed(control, result_path, "crash", f"the worker process died ({why})", started)
+            if line.strip() == f"done {control_path}":
+                try:
+                    return json.loads(Path(result_path).read_text())
+                except (OSError, json.JSONDecodeError) as exc:
+                    return self._failed(control, result_path, "crash", f"unreadable result.json: {exc}", started)
+
+    def _failed(self, control: dict, path: str, status: str, reason: str, started: float) -> dict:
+        result = {"id": control["id"], "status": status, "reason": reason, "device": self.device}
+        result["seconds"] = round(time.time() - started, 3)
+        write_json(path, result)
+        return result
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self._kill()
+        self.proc = None
+
+
+class WorkerPool:
+    """Evaluations in parallel, one per worker; ``submit`` while ``free()``, then ``wait`` for finished ones."""
+
+    def __init__(self, devices: list[str], log_dir: str | os.PathLike, timeout: float = 300.0):
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.slots = [_Slot(i, d, log_dir, timeout) for i, d in enumerate(devices)]
+        self.done: queue.Queue = queue.Queue()
+
+    def free(self) -> int:
+        return sum(not s.busy for s in self.slots)
+
+    def in_flight(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    def device(self) -> str:
+        free = next(s for s in self.slots if not s.busy)
+        return free.device
+
+    def submit(self, control_path: str, tag) -> None:
+        slot = next(s for s in self.slots if not s.busy)
+        slot.busy = True
+
+        def work():
+            try:
+                result = slot.evaluate(control_path)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not hang the search
+                result = {"status": "crash", "reason": f"pool error: {exc}", "device": slot.device}
+            slot.busy = False
+            self.done.put((tag, result))
+
+        threading.Thread(target=work, daemon=True).start()
+
+    def wait(self) -> list[tuple]:
+        """At least one finished (tag, result); all that are ready."""
+        out = [self.done.get()]
+        while True:
+            try:
+                out.append(self.done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        for s in self.slots:
+            s.close()
+
+
+class TableEvaluator:
+    """The pool's interface, answered from measured rows keyed by variant id (``id``, ``status``, ``ms``)."""
+
+    def __init__(self, rows: dict[str, dict], parallel: int = 1):
+        self.rows, self.parallel = rows, parallel
+        self.pending: list[tuple] = []
+        self.slots = [None] * parallel
+
+    def free(self) -> int:
+        return self.parallel - len(self.pending)
+
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    def device(self) -> str:
+        return "table"
+
+    def submit(self, control_path: str, tag) -> None:
+        control = json.loads(Path(control_path).read_text())
+        row = self.rows.get(control["id"])
+        if row is None:
+            result = {"id": control["id"], "status": "crash", "reason": "not in the table", "device": "table"}
+        else:
+            result = {**row, "id": control["id"], "device": "table"}
+        write_json(control["result"], result)
+        self.pending.append((tag, result))
+
+    def wait(self) -> list[tuple]:
+        out, self.pending = self.pending, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a killed search leaves no worker behind)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    parent = os.environ.get("KERNEL_SEARCH_PARENT_PID")
+    if parent and os.getppid() != int(parent):  # the parent died before prctl took effect
+        os._exit(1)
