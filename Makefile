@@ -25,7 +25,7 @@ PIP_INSTALL = $(PYTHON) -m pip install $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) $(
 # them whatever of the Jupyter packages its Python lacks (pip keeps what is already installed).
 PY ?= 3.12
 WHEELHOUSE ?=
-JUPYTER_PACKAGES := nbval nbclient nbformat ipykernel ipywidgets tqdm
+JUPYTER_PACKAGES := nbval nbclient nbformat ipykernel ipywidgets tqdm pydantic openai
 
 # Inductor's on-disk graph cache is keyed by the traced graph, not by the custom ops' schemas: a cache left by an
 # older checkout can replay a graph that calls an op with its old arguments. Each checkout keeps its own.
@@ -123,7 +123,7 @@ format: ## Rewrite code to the project's style
 	$(PYTHON) -m ruff check --fix .
 
 # ------------------------------------------------------------------------------------------------ misc
-wheelhouse: ## Download Jupyter wheels (nbval, nbclient, ipykernel, ipywidgets + deps) for an offline GPU machine, for Python $(PY)
+wheelhouse: ## Download Jupyter and search wheels (nbval, ipykernel, ipywidgets, pydantic, openai + deps) for an offline GPU machine, Python $(PY)
 	rm -rf wheelhouse
 	$(BASE_PYTHON) -m pip download --only-binary=:all: --python-version $(PY) --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

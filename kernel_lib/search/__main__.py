@@ -95,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     status = 0
+    import torch
+
     for spec in specs:
+        if spec.kind == "cuda" and not torch.cuda.is_available():
+            print(f"{spec.name}: skipped: a CUDA C++ kernel needs a CUDA GPU (and CuPy); this machine has none")
+            continue
         try:
             result = optimize(
                 spec, budget=args.budget_builds, gpus=gpus, llm=llm, progress=not args.no_progress,

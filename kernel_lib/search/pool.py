@@ -43,6 +43,7 @@ class _Slot:
         self.log_path = log_dir / f"worker-{index}.log"
         self.proc: subprocess.Popen | None = None
         self.busy = False
+        self.jobs: queue.Queue | None = None
 
     def _start(self) -> None:
         env = dict(os.environ)
@@ -127,6 +128,25 @@ class WorkerPool:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.slots = [_Slot(i, d, log_dir, timeout) for i, d in enumerate(devices)]
         self.done: queue.Queue = queue.Queue()
+        for slot in self.slots:
+            # One long-lived thread per worker, which also starts its process: Linux's parent-death signal
+            # (die_with_parent) fires when the starting *thread* exits, so it must outlive the worker.
+            slot.jobs = queue.Queue()
+            threading.Thread(target=self._serve_slot, args=(slot,), daemon=True).start()
+
+    def _serve_slot(self, slot: _Slot) -> None:
+        while True:
+            job = slot.jobs.get()
+            if job is None:
+                slot.close()
+                return
+            control_path, tag = job
+            try:
+                result = slot.evaluate(control_path)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not hang the search
+                result = {"status": "crash", "reason": f"pool error: {exc}", "device": slot.device}
+            slot.busy = False
+            self.done.put((tag, result))
 
     def free(self) -> int:
         return sum(not s.busy for s in self.slots)
@@ -141,16 +161,7 @@ class WorkerPool:
     def submit(self, control_path: str, tag) -> None:
         slot = next(s for s in self.slots if not s.busy)
         slot.busy = True
-
-        def work():
-            try:
-                result = slot.evaluate(control_path)
-            except Exception as exc:  # noqa: BLE001 - a bug here must not hang the search
-                result = {"status": "crash", "reason": f"pool error: {exc}", "device": slot.device}
-            slot.busy = False
-            self.done.put((tag, result))
-
-        threading.Thread(target=work, daemon=True).start()
+        slot.jobs.put((control_path, tag))
 
     def wait(self) -> list[tuple]:
         """At least one finished (tag, result); all that are ready."""
@@ -163,7 +174,11 @@ class WorkerPool:
 
     def close(self) -> None:
         for s in self.slots:
-            s.close()
+            s.jobs.put(None)
+        for s in self.slots:  # wait until each thread closed its worker (stdin EOF, then exit)
+            deadline = time.time() + 15
+            while s.proc is not None and time.time() < deadline:
+                time.sleep(0.05)
 
 
 class TableEvaluator:

@@ -307,6 +307,8 @@ class Search:
             return
         self.bottleneck = bottleneck
         self.move_priors = prior_mod.move_priors(bottleneck, self.tactics)
+        wanted = {m.split(".")[0] for m in prior_mod.METRICS}  # ncu's raw page adds device attributes: drop them
+        metrics = {k: v for k, v in metrics.items() if k.split(".")[0] in wanted}
         self._event("profile", id=node_id, bottleneck=bottleneck, metrics=metrics, priors=self.move_priors)
         top = sorted(self.move_priors.items(), key=lambda kv: -kv[1])[:4]
         self.store.trace(

@@ -206,6 +206,8 @@ def evaluate_control(control: dict) -> dict:
     except Exception as exc:  # noqa: BLE001 - the worker reports, the search decides
         result.update(status="runtime_error", reason=_short(exc))
     result["seconds"] = round(time.time() - started, 3)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # several workers share the GPU: give back what this evaluation cached
     return result
 
 
