@@ -169,7 +169,22 @@ def change_block_sizes(v: Variant, spec: KernelSpec) -> list[Action]:
                 continue
             child = v.with_launch(num_warps=value) if knob == "num_warps" else v.with_constexprs(**{knob: value})
             actions.append(Action("change_block_sizes", f"{knob}={value}", child))
+            warps = _scaled_warps(v, spec, knob, current, value)
+            if warps is not None:  # the same tile change with the warps scaled along: one step, not two
+                both = child.with_launch(num_warps=warps)
+                actions.append(Action("change_block_sizes", f"{knob}={value},num_warps={warps}", both))
     return actions
+
+
+def _scaled_warps(v: Variant, spec: KernelSpec, knob: str, old: int, new: int) -> int | None:
+    """Warps scaled with a block size (same work per thread), within bounds; None when nothing would change."""
+    if knob == "num_warps" or "num_warps" not in spec.tunable or not isinstance(old, int) or old <= 0:
+        return None
+    low, high = spec.tunable["num_warps"]
+    warps = min(max(v.launch["num_warps"] * new // old, low), high) if new > old else None
+    if warps is None:
+        warps = max(min(max(v.launch["num_warps"] * new // old, 1), high), low)
+    return warps if warps != v.launch["num_warps"] else None
 
 
 def enable_async_pipeline(v: Variant, spec: KernelSpec) -> list[Action]:

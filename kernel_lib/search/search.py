@@ -15,6 +15,7 @@ run resumes where it stopped. The budget counts finished evaluations, the baseli
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import graph as graph_mod
 from . import prior as prior_mod
 from .graph import FAIL_REWARD, Graph
 from .moves import CANONICAL_MOVES, rule_actions
@@ -108,12 +110,16 @@ class Search:
             "fresh_seed": s.seed * 2 + 101, "warmup_ms": s.warmup_ms, "rep_ms": s.rep_ms,
         }  # fmt: skip
 
-    def _submit(self, variant: Variant, baseline: bool = False) -> None:
+    def _prepare(self, variant: Variant, baseline: bool = False) -> str:
+        """The variant's folder and control file; written before any event names the variant."""
         control = self._control()
         control["device"] = self.evaluator.device()
         path = self.store.write_variant(variant, self.spec.kind, control, self.baseline_source, baseline)
         self.store.clear_result(variant.id, baseline)
-        self.evaluator.submit(path, variant.id)
+        return path
+
+    def _submit(self, variant: Variant, baseline: bool = False) -> None:
+        self.evaluator.submit(self._prepare(variant, baseline), variant.id)
 
     # ---------------------------------------------------------------- state
     def _state(self) -> dict:
@@ -149,31 +155,33 @@ class Search:
         per_move: dict[str, int] = {}
         for a in actions:
             per_move[a.move] = per_move.get(a.move, 0) + 1
-        offered = [(a.move, a.label, self.move_priors[a.move] / per_move[a.move]) for a in actions]
+        split = lambda move: per_move[move] ** graph_mod.PRIOR_SPLIT  # noqa: E731
+        offered = [(a.move, a.label, self.move_priors[a.move] / split(a.move), features(a.child)) for a in actions]
         if self.llm is not None:
-            offered += [(m, "llm", LLM_PRIOR_SHARE * self.move_priors[m]) for m in CANONICAL_MOVES]
+            offered += [(m, "llm", LLM_PRIOR_SHARE * self.move_priors[m], []) for m in CANONICAL_MOVES]
         self.graph.set_edges(node, offered)
 
     def _pruned(self, edge) -> bool:
         count = self.graph.action_gain.get(edge.key, (0, 0.0))[0]
         return count >= 2 and self.graph.gain(edge.key) < self.settings.min_pred_gain * count / (count + 1)
 
-    def _expand(self, parent_id: str, edge) -> Variant | None:
+    def _expand(self, parent_id: str, edge) -> tuple[Variant | None, str]:
+        """The child an edge leads to (None: the expansion failed, recorded) and the move it is credited to."""
         parent = self._variant(parent_id)
         if edge.label != "llm":
             for a in rule_actions(parent, self.spec):
                 if a.key == edge.key:
-                    return a.child
+                    return a.child, edge.move
             edge.failed = "the rule no longer applies"
-            return None
+            return None, edge.move
         measurements = self._measurements()
         proposal = self.llm.propose(edge.move, parent, self.spec, measurements)
         if proposal.error or proposal.source is None:
             edge.failed = proposal.error or "no source"
             self._event("expansion_failed", parent=parent_id, key=edge.key, reason=edge.failed)
             self.store.trace(f"- language model, `{edge.move}` at `{parent_id}`: failed ({edge.failed})")
-            return None
-        return parent.with_source(proposal.source)
+            return None, edge.move
+        return parent.with_source(proposal.source), proposal.move or edge.move  # credited to the move it names
 
     def _measurements(self) -> list[dict]:
         rows = [{"id": n.id, "status": n.status, "ms": n.ms} for n in self.graph.nodes.values() if n.reward is not None]
@@ -187,7 +195,7 @@ class Search:
             if edge is None:
                 return False
             parent_id = path[-1]
-            child = self._expand(parent_id, edge)
+            child, move = self._expand(parent_id, edge)
             if child is None:
                 self._save()
                 continue
@@ -200,11 +208,12 @@ class Search:
                 self._save()
                 continue
             self.variants[child.id] = child
+            control = self._prepare(child)
             node.status = "pending"
-            self.pending[child.id] = {"path": path, "parent": parent_id, "key": edge.key, "move": edge.move}
+            self.pending[child.id] = {"path": path, "parent": parent_id, "key": edge.key, "move": move}
             self._event("dispatched", id=child.id, parent=parent_id, key=edge.key, path=path)
             self._save()
-            self._submit(child)
+            self.evaluator.submit(control, child.id)
             return True
 
     def _reward(self, result: dict) -> float:
@@ -228,7 +237,8 @@ class Search:
         before = self.graph.incumbent()
         self.evaluations += 1
         ok = result["status"] == "ok"
-        self.graph.record(node_id, reward, result["status"], result.get("ms"), info["parent"], info["key"])
+        feats = features(self._variant(node_id))
+        self.graph.record(node_id, reward, result["status"], result.get("ms"), info["parent"], info["key"], feats)
         self.graph.backpropagate(info["path"] + [node_id], reward)
         parent = self.graph.nodes[info["parent"]]
         gain = reward - parent.reward if ok and parent.reward is not None else None
@@ -271,9 +281,10 @@ class Search:
                 f"see {self.store.variant_dir(root.id, True)}"
             )
         self.baseline_ms = result["ms"]
-        self._event("baseline", id=root.id, ms=result["ms"], device=result.get("device"), result=result)
+        if not any(e["type"] == "baseline" and e["id"] == root.id for e in self.store.events()):
+            self._event("baseline", id=root.id, ms=result["ms"], device=result.get("device"), result=result)
         self.graph.add_node(root.id, None, 0)
-        self.graph.record(root.id, 0.0, "ok", result["ms"], None, None)
+        self.graph.record(root.id, 0.0, "ok", result["ms"], None, None, features(root))
         self.graph.backpropagate([root.id], 0.0)
         self.evaluations = 1
         self.store.set_best(root.id, baseline=True)
@@ -392,6 +403,12 @@ class Search:
             f"{inc.ms:.4g} ms, {self.baseline_ms / inc.ms:.2f}x the baseline.\n"
         )
         return SearchResult.load(self.store.root)
+
+
+def features(v: Variant) -> list[str]:
+    """What the surrogate model sees of a variant: each knob's value, and which source text it runs."""
+    knobs = [f"{k}={val}" for k, val in sorted(v.knobs().items())]
+    return knobs + ["source=" + hashlib.sha256(v.source.encode()).hexdigest()[:8]]
 
 
 def _versions() -> dict:

@@ -20,8 +20,8 @@ A spec is one JSON file (schema below, validated on load by pydantic; a bad fiel
     }
 
 Kernel arguments are bound by name: a tensor of ``inputs``/``outputs``, a symbol of ``sizes``, a ``scalars`` entry,
-or a constexpr of ``launch``. A kernel argument none of them names is an error at load time for inline sources and
-at the first evaluation otherwise. For a CUDA kernel, ``launch`` has ``grid`` and ``block`` (expressions giving up
+or a constexpr of ``launch``. A kernel argument none of them names fails the evaluation (``launch_error``), the
+baseline's first of all. For a CUDA kernel, ``launch`` has ``grid`` and ``block`` (expressions giving up
 to three dims) and ``shared_mem`` bytes, and ``args`` lists the kernel's parameters in order (CUDA has no names to
 bind by).
 
@@ -144,6 +144,13 @@ class TensorSpec(_Model):
                 raise ValueError(f"negative dimension {dim}")
         return shape
 
+    @field_validator("start", "step")
+    @classmethod
+    def _arange_expr(cls, value):
+        if isinstance(value, str):
+            check_expression(value)
+        return value
+
     @model_validator(mode="after")
     def _init_args(self):
         if self.init == "full" and self.value is None:
@@ -170,6 +177,21 @@ class Launch(_Model):
         if text is not None:
             check_expression(text)
         return text
+
+    @field_validator("shared_mem")
+    @classmethod
+    def _shared(cls, value):
+        if isinstance(value, str):
+            check_expression(value)
+        return value
+
+    @field_validator("constexprs")
+    @classmethod
+    def _constexpr_exprs(cls, constexprs):
+        for value in constexprs.values():
+            if isinstance(value, str):
+                check_expression(value)
+        return constexprs
 
     @field_validator("num_warps")
     @classmethod
@@ -233,6 +255,21 @@ class KernelSpec(_Model):
         if not name or not all(c.isalnum() or c in "_-." for c in name):
             raise ValueError(f"use letters, digits, '_', '-' or '.', got {name!r}")
         return name
+
+    @field_validator("scalars")
+    @classmethod
+    def _scalar_exprs(cls, scalars):
+        for value in scalars.values():
+            if isinstance(value, str):
+                check_expression(value)
+        return scalars
+
+    @field_validator("bytes", "flops")
+    @classmethod
+    def _count_exprs(cls, value):
+        if value is not None:
+            check_expression(value)
+        return value
 
     @field_validator("tunable")
     @classmethod

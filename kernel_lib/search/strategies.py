@@ -156,6 +156,8 @@ def _neighbours(v: Variant, spec: KernelSpec) -> list[Action]:
     out = []
     for a in rule_actions(v, spec):
         if a.move in ("change_block_sizes", "enable_async_pipeline"):
+            if "," in a.label:
+                continue  # two knobs at once (a block size with its warps scaled): two steps, not one
             knob, value = a.label.split("=")
             current = v.launch[knob] if knob in ("num_warps", "num_stages") else v.launch["constexprs"][knob]
             low, high = spec.tunable[knob]
@@ -231,3 +233,74 @@ def graph_search(spec: KernelSpec, table: dict[str, dict], budget: int, seed: in
 
 def space_path(folder: str | os.PathLike, name: str) -> Path:
     return Path(folder) / f"search_space_{name}.csv"
+
+
+# --------------------------------------------------------------------------------------------------
+# The comparison: every strategy on one table, the same budget, a few seeds
+# --------------------------------------------------------------------------------------------------
+STRATEGIES = ("graph search", "random", "pattern")
+
+
+def compare_strategies(spec: KernelSpec, table: dict[str, dict], share: float = 0.10, seeds=(0, 1, 2)):
+    """Best-so-far curves of the graph search, random search and pattern search on one measured ``table``.
+
+    Each strategy gets ``ceil(share * len(space))`` evaluations (at least 2), baseline included, per seed. Returns a
+    pandas DataFrame, one row per (strategy, seed, evaluation): ``spec, space, budget, strategy, seed, evaluation,
+    id, best_ms`` (fastest correct so far), ``space_best_ms`` (the exhaustive best) and ``share`` (space_best_ms /
+    best_ms: 1.0 is the exhaustive best, 0.0 before a correct variant).
+    ``summarize_comparison`` turns it into one row per strategy.
+    """
+    import pandas as pd
+
+    from .moves import reachable
+
+    space = reachable(spec)
+    missing = [v.id for v in space if v.id not in table]
+    if missing:
+        raise ValueError(
+            f"{spec.name}: {len(missing)} of the {len(space)} reachable variants are not in the table "
+            "(the spec or the moves changed since it was measured): measure the space again"
+        )
+    best = space_best(table)
+    budget = max(2, math.ceil(share * len(space)))
+
+    def measure(vid: str) -> float | None:
+        return table[vid]["ms"] if table[vid]["status"] == "ok" else None
+
+    rows = []
+    for seed in seeds:
+        orders = {
+            "graph search": graph_search(spec, table, budget, seed),
+            "random": random_search(spec, space, budget, seed),
+            "pattern": pattern_search(spec, space, budget, seed, measure),
+        }
+        for strategy, order in orders.items():
+            for i, (vid, ms) in enumerate(zip(order, best_so_far(order, table), strict=True)):
+                rows.append({
+                    "spec": spec.name, "space": len(space), "budget": budget, "strategy": strategy, "seed": seed,
+                    "evaluation": i + 1, "id": vid, "best_ms": ms, "space_best_ms": best,
+                    "share": best / ms if ms < math.inf else 0.0,
+                })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def summarize_comparison(curves, threshold: float = 0.97):
+    """One row per (spec, strategy) of ``compare_strategies`` frames (concatenated): the share of the space's best
+    reached at the end of the budget (median over seeds, and each seed) and the evaluations each seed needed to
+    reach ``threshold`` of it (column ``evals_to_97`` for 0.97; '-': never within the budget)."""
+    import pandas as pd
+
+    rows = []
+    for (spec, strategy), group in curves.groupby(["spec", "strategy"], sort=False):
+        finals = group.groupby("seed")["share"].last()
+        reached = [
+            next((int(r.evaluation) for r in g.itertuples() if r.share >= threshold), None)
+            for _, g in group.groupby("seed")
+        ]
+        rows.append({
+            "spec": spec, "space": int(group["space"].iloc[0]), "budget": int(group["budget"].iloc[0]),
+            "strategy": strategy, "best_ms": float(group["space_best_ms"].iloc[0]),
+            "share_median": float(finals.median()), "shares": " ".join(f"{s:.3f}" for s in finals),
+            f"evals_to_{round(100 * threshold)}": " ".join(str(e) if e else "-" for e in reached),
+        })  # fmt: skip
+    return pd.DataFrame(rows)

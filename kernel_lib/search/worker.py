@@ -170,8 +170,10 @@ def evaluate_control(control: dict) -> dict:
             case = cached_case(spec, device, control.get("seed", 0), small)
             try:
                 run, outs, errors = _run_case(bind, spec, case, device, "wrong")
-            except (Failed, LaunchError):
+            except Failed:
                 raise
+            except LaunchError as exc:
+                raise Failed("launch_error", str(exc)) from None
             except Exception as exc:  # noqa: BLE001
                 kind = "compile_error" if "compil" in type(exc).__name__.lower() else "runtime_error"
                 raise Failed(kind, _short(exc)) from None

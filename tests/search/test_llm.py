@@ -3,10 +3,8 @@ error (never an exception), and the diff appliers (``patch`` and the pure-Python
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
-import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -79,74 +77,8 @@ MEASUREMENTS = [
 
 
 # --------------------------------------------------------------------------------------------------
-# A local OpenAI-compatible endpoint
+# A local OpenAI-compatible endpoint: the ``endpoint`` fixture of tests/search/conftest.py
 # --------------------------------------------------------------------------------------------------
-class FakeEndpoint:
-    """POST /v1/chat/completions answers with ``reply`` (status, text, delay seconds); requests are recorded."""
-
-    def __init__(self):
-        self.reply: tuple[int, str, float] = (200, "", 0.0)
-        self.requests: list[dict] = []
-        self.stop = threading.Event()
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # keep pytest's output clean
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                endpoint.requests.append({"path": self.path, "body": body})
-                status, text, delay = endpoint.reply
-                if delay:
-                    endpoint.stop.wait(delay)  # woken at teardown, so a slow reply never holds the session
-                if self.path != "/v1/chat/completions":
-                    status, payload = 404, {"error": {"message": f"no route {self.path}"}}
-                elif status != 200:
-                    payload = {"error": {"message": text, "type": "server_error"}}
-                else:
-                    payload = {
-                        "id": "chatcmpl-test",
-                        "object": "chat.completion",
-                        "created": int(time.time()),
-                        "model": body.get("model", "test-model"),
-                        "choices": [
-                            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
-                        ],
-                        "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
-                    }
-                data = json.dumps(payload).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except OSError:
-                    pass  # the client gave up (the timeout case)
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            block_on_close = False
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    server = FakeEndpoint()
-    yield server
-    server.close()
-
-
 @pytest.fixture
 def client(endpoint):
     endpoint.requests.clear()
