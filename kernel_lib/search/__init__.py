@@ -16,7 +16,15 @@ widening, backpropagation), ``search`` (the loop and ``optimize``), ``worker`` a
 graph), ``store`` (the files a run leaves), ``strategies`` (exhaustive, random and pattern search to compare with).
 """
 
-from .search import SearchResult, Settings, optimize, optimize_all
-from .spec import KernelSpec, SpecError, find_specs, load_spec
-
 __all__ = ["KernelSpec", "SearchResult", "Settings", "SpecError", "find_specs", "load_spec", "optimize", "optimize_all"]
+
+_WHERE = {"SearchResult": "search", "Settings": "search", "optimize": "search", "optimize_all": "search"}
+
+
+def __getattr__(name: str):
+    # Imported on first use, so `python -m kernel_lib.search` can say in one line what is missing (pydantic...).
+    if name not in __all__:
+        raise AttributeError(f"module 'kernel_lib.search' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{_WHERE.get(name, 'spec')}", __name__), name)

@@ -43,8 +43,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _missing() -> str | None:
+    """The one-line message for a missing required package, or None."""
+    for module in ("pydantic", "torch", "triton"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"error: the kernel search needs {module}: pip install 'kernel_lib[search]'"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    missing = _missing()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     if args.serve:
         from .pool import die_with_parent
         from .worker import serve
