@@ -33,7 +33,9 @@ def _evaluations(result) -> list[dict]:
 def _ms_by_id(result) -> dict[str, float]:
     """ms of every correct evaluation (the baseline included)."""
     return {
-        e["id"]: e["ms"] for e in _evaluations(result) if (e["type"] == "baseline" or e.get("status") == "ok") and e["ms"]
+        e["id"]: e["ms"]
+        for e in _evaluations(result)
+        if (e["type"] == "baseline" or e.get("status") == "ok") and e["ms"]
     }
 
 
@@ -194,6 +196,7 @@ def plot_graph(state_path: str | os.PathLike, ax=None, title: str | None = None)
     by move, an edge back to a shallower node (a move undone) dashed."""
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
     state = load_state(state_path)
     nodes, base_ms = state["graph"]["nodes"], state["baseline"]["ms"]
@@ -235,6 +238,7 @@ def plot_graph(state_path: str | os.PathLike, ax=None, title: str | None = None)
         handles.append(Line2D([], [], ls="", marker="x", color="red", label="failed"))
     ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
     ax.set_xlabel("depth (moves from the baseline)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_yticks([])
     ax.grid(False)
     ax.set_title(title or f"{state['spec']}: {len(nodes)} variants, {len(ringed)} transpositions", fontsize=10)

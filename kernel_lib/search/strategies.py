@@ -286,8 +286,8 @@ def compare_strategies(spec: KernelSpec, table: dict[str, dict], share: float = 
 
 def summarize_comparison(curves, threshold: float = 0.97):
     """One row per (spec, strategy) of ``compare_strategies`` frames (concatenated): the share of the space's best
-    reached at the end of the budget (median over seeds, and each seed) and the evaluations each seed needed to
-    reach ``threshold`` of it (column ``evals_to_97`` for 0.97; '-': never within the budget)."""
+    reached at the end of the budget (median and worst over seeds, and each seed) and the evaluations each seed
+    needed to reach ``threshold`` of it (column ``evals_to_97`` for 0.97; '-': never within the budget)."""
     import pandas as pd
 
     rows = []
@@ -300,7 +300,19 @@ def summarize_comparison(curves, threshold: float = 0.97):
         rows.append({
             "spec": spec, "space": int(group["space"].iloc[0]), "budget": int(group["budget"].iloc[0]),
             "strategy": strategy, "best_ms": float(group["space_best_ms"].iloc[0]),
-            "share_median": float(finals.median()), "shares": " ".join(f"{s:.3f}" for s in finals),
+            "share_median": float(finals.median()), "share_min": float(finals.min()),
+            "shares": " ".join(f"{s:.3f}" for s in finals),
             f"evals_to_{round(100 * threshold)}": " ".join(str(e) if e else "-" for e in reached),
         })  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def random_odds(table: dict[str, dict], budget: int, threshold: float = 0.97) -> tuple[int, float]:
+    """How broad the top of a measured space is, and what that gives random search: the number k of variants (the
+    baseline, the table's first row, aside) within ``threshold`` of the best, and the probability that ``budget`` - 1
+    draws without replacement from the n others include at least one: 1 - C(n - k, b) / C(n, b)."""
+    best = space_best(table)
+    rows = list(table.values())[1:]
+    near = sum(r.get("status") == "ok" and bool(r.get("ms")) and best / r["ms"] >= threshold for r in rows)
+    draws = min(max(budget - 1, 0), len(rows))
+    return near, 1.0 - math.comb(len(rows) - near, draws) / math.comb(len(rows), draws)
