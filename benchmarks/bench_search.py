@@ -139,9 +139,8 @@ def phase_compare(specs, out: str) -> None:
     env = {k: first.get(k, "") for k in ("device", "torch", "triton", "timestamp")}
     bench.write_csv(summary, os.path.join(out, "search_efficiency.csv"), env)
     print(f"GPU {env.get('device')}, torch {env.get('torch')}, triton {env.get('triton')}; budget = 10% of the space")
-    print(
-        f"{'spec':<11} {'space':>5} {'budget':>6} {'strategy':<13} {'share of best (median)':>22}  seeds          evals to 97%"
-    )
+    head = f"{'spec':<11} {'space':>5} {'budget':>6} {'strategy':<13} {'share of best (median)':>22}"
+    print(head + "  seeds          evals to 97%")
     for r in summary:
         print(
             f"{r['spec']:<11} {r['space']:>5} {r['budget']:>6} {r['strategy']:<13} {r['share_median']:>22.3f}  "
@@ -178,8 +177,9 @@ def phase_live(specs, out: str, budget: int, workers: int) -> None:
             result = optimize(spec, budget=budget, gpus=[0] * workers, outdir=tmp, progress=False, seed=0)
             ref = _reference_ms(spec.name, spec)[1]
             rows.append({
-                "spec": spec.name, "budget": budget, "baseline_ms": result.baseline_ms, "search_best_ms": result.best_ms,
-                "kernel_lib_ms": ref, "search_over_kernel_lib": result.best_ms / ref, "best_id": result.best_id,
+                "spec": spec.name, "budget": budget, "baseline_ms": result.baseline_ms,
+                "search_best_ms": result.best_ms, "kernel_lib_ms": ref, "search_over_kernel_lib": result.best_ms / ref,
+                "best_id": result.best_id,
             })  # fmt: skip
             print(
                 f"{spec.name}: baseline {result.baseline_ms:.4g} ms, search best {result.best_ms:.4g} ms "
