@@ -19,9 +19,7 @@ Runs on a GPU; ``compare`` alone also runs on a CPU machine from stored CSVs.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -97,71 +95,33 @@ def phase_compare(specs, out: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import pandas as pd
 
-    summary = []
-    curves = {}
+    from kernel_lib.search import report
+
+    frames = []
     for spec in specs:
         path = strategies.space_path(out, spec.name)
         if spec.kind != "triton" or not path.exists():
             continue
-        table = strategies.read_space_csv(path)
-        space = reachable(spec)
-        missing = [v.id for v in space if v.id not in table]
-        if missing:
-            print(f"{spec.name}: {len(missing)} variants of the space are not in {path}; run --phase space again")
-            continue
-        best = strategies.space_best(table)
-        budget = max(2, math.ceil(SHARE * len(space)))
-        measure = lambda vid, t=table: t[vid]["ms"] if t[vid]["status"] == "ok" else None  # noqa: E731
-        runs = {"graph search": [], "random": [], "pattern": []}
-        for seed in SEEDS:
-            runs["graph search"].append(strategies.graph_search(spec, table, budget, seed))
-            runs["random"].append(strategies.random_search(spec, space, budget, seed))
-            runs["pattern"].append(strategies.pattern_search(spec, space, budget, seed, measure))
-        curves[spec.name] = (best, {k: [strategies.best_so_far(o, table) for o in v] for k, v in runs.items()})
-        for name, orders in runs.items():
-            shares = [best / strategies.best_so_far(o, table)[-1] for o in orders]
-            evals_to_97 = []
-            for o in orders:
-                bsf = strategies.best_so_far(o, table)
-                evals_to_97.append(next((i + 1 for i, ms in enumerate(bsf) if best / ms >= 0.97), None))
-            summary.append({
-                "spec": spec.name, "space": len(space), "budget": budget, "strategy": name,
-                "best_ms": best, "share_median": statistics.median(shares),
-                "shares": " ".join(f"{s:.3f}" for s in shares),
-                "evals_to_97": " ".join(str(e) if e else "-" for e in evals_to_97),
-            })  # fmt: skip
-    if not summary:
+        try:
+            frames.append(strategies.compare_strategies(spec, strategies.read_space_csv(path), SHARE, SEEDS))
+        except ValueError as exc:  # the space changed since it was measured
+            print(f"{exc}; run --phase space again")
+    if not frames:
         print("no space tables found: run --phase space on a GPU first")
         return
-    env_rows = strategies.read_space_csv(strategies.space_path(out, summary[0]["spec"]))
-    first = next(iter(env_rows.values()))
+    curves = pd.concat(frames, ignore_index=True)
+    summary = strategies.summarize_comparison(curves)
+    first = next(iter(strategies.read_space_csv(strategies.space_path(out, summary["spec"].iloc[0])).values()))
     env = {k: first.get(k, "") for k in ("device", "torch", "triton", "timestamp")}
-    bench.write_csv(summary, os.path.join(out, "search_efficiency.csv"), env)
-    print(f"GPU {env.get('device')}, torch {env.get('torch')}, triton {env.get('triton')}; budget = 10% of the space")
-    head = f"{'spec':<11} {'space':>5} {'budget':>6} {'strategy':<13} {'share of best (median)':>22}"
-    print(head + "  seeds          evals to 97%")
-    for r in summary:
-        print(
-            f"{r['spec']:<11} {r['space']:>5} {r['budget']:>6} {r['strategy']:<13} {r['share_median']:>22.3f}  "
-            f"{r['shares']:<14} {r['evals_to_97']}"
-        )
-    fig, axes = plt.subplots(1, len(curves), figsize=(3.6 * len(curves), 3.2), squeeze=False)
-    for ax, (name, (best, by)) in zip(axes[0], curves.items(), strict=True):
-        for (label, runs), color in zip(by.items(), ("C0", "C1", "C2"), strict=True):
-            for i, bsf in enumerate(runs):
-                ax.plot(range(1, len(bsf) + 1), [best / m if m < math.inf else 0 for m in bsf], color=color,
-                        alpha=0.8, lw=1.2, label=label if i == 0 else None)  # fmt: skip
-        ax.axhline(1.0, color="k", lw=0.8, ls="--", label="exhaustive best")
-        ax.axhline(0.97, color="grey", lw=0.6, ls=":")
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("evaluations")
-        ax.set_ylim(0, 1.05)
-    axes[0][0].set_ylabel("share of the space's best throughput")
-    axes[0][0].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"{env.get('device')}: best so far, 3 seeds each", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "search_efficiency.png"), dpi=110)
+    bench.write_csv(summary.to_dict("records"), os.path.join(out, "search_efficiency.csv"), env)
+    print(f"GPU {env['device']}, torch {env['torch']}, triton {env['triton']}; budget = 10% of the space")
+    print(summary.drop(columns=["best_ms"]).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    report.plot_best_so_far(curves)
+    plt.suptitle(f"{env['device']}: best so far, 3 seeds each", fontsize=10)
+    plt.tight_layout()
+    plt.savefig(os.path.join(out, "search_efficiency.png"), dpi=110)
     print(f"plot: {os.path.join(out, 'search_efficiency.png')}")
 
 
