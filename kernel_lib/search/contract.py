@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..validate import Check, check
+from ..validate import Check, check, poisoned_like
 from .spec import KernelSpec, TensorSpec, evaluate, resolve_constexprs
 
 DTYPES = {
@@ -30,7 +30,9 @@ INTERPRETER_ULP = {"bfloat16": 2.0**-7, "float16": 2.0**-10}  # one ulp relative
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    from ..ops._utils import is_interpreting  # one reading of TRITON_INTERPRET for the whole package
+
+    return is_interpreting()
 
 
 def names(spec: KernelSpec, small: bool, constexprs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -123,11 +125,8 @@ def make_case(spec: KernelSpec, device: str, seed: int, small: bool) -> Case:
 
 
 def poisoned_outputs(spec: KernelSpec, case: Case, device: str) -> dict[str, torch.Tensor]:
-    outs = {}
-    for t in spec.outputs:
-        x = torch.empty(shape_of(t, case.scope), device=device, dtype=DTYPES[t.dtype])
-        outs[t.name] = x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-1)
-    return outs
+    shapes = {t.name: torch.empty(shape_of(t, case.scope), device=device, dtype=DTYPES[t.dtype]) for t in spec.outputs}
+    return {name: poisoned_like(x) for name, x in shapes.items()}
 
 
 def compare(spec: KernelSpec, case: Case, outs: dict[str, torch.Tensor]) -> list[Check]:

@@ -30,7 +30,7 @@ ROOT_NOISE_EPS = 0.25  # share of Dirichlet noise in the root's priors
 ROOT_NOISE_ALPHA = 0.3  # Dirichlet concentration: < 1 puts the noise on a few actions
 PROG_WIDEN_K = 1.0  # children allowed: K * N(s) ** ALPHA
 PROG_WIDEN_ALPHA = 0.3
-AMAF_BETA = 0.0  # weight of the action's observed mean gain elsewhere; 0: the surrogate does better (NOTES.md)
+AMAF_BETA = 0.0  # weight of the action's mean gain elsewhere in the order (0 since the surrogate: it ranks better)
 PRIOR_SPLIT = 0.5  # an action's prior: its move's prior / (actions of that move here) ** PRIOR_SPLIT
 FAIL_REWARD = -1.0  # a wrong or failed variant: worse than any correct one we expect
 SURROGATE_BETA = 10.0  # weight of the surrogate's predicted reward (log-speedup units) in the expansion order
@@ -226,6 +226,7 @@ class Graph:
             "action_gain": self.action_gain,
             "rewards": self.rewards,
             "noise_applied": self.noise_applied,
+            "surrogate": self.surrogate.rows,
             "nodes": {
                 nid: {
                     "depth": n.depth,
@@ -245,6 +246,7 @@ class Graph:
                             "child": e.child,
                             "visits": e.visits,
                             "failed": e.failed,
+                            "features": e.features,
                         }
                         for e in n.edges.values()
                     ],
@@ -261,6 +263,7 @@ class Graph:
         g.action_gain = {k: list(v) for k, v in data["action_gain"].items()}
         g.rewards = list(data["rewards"])
         g.noise_applied = data["noise_applied"]
+        g.surrogate.rows = [(list(f), float(r)) for f, r in data.get("surrogate", [])]
         for nid, d in data["nodes"].items():
             node = Node(nid, d["depth"], list(d["parents"]), {}, d["expanded"], d["visits"], d["reward"], d["status"])
             node.best, node.ms = d["best"], d["ms"]

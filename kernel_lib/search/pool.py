@@ -161,6 +161,9 @@ class WorkerPool:
     def submit(self, control_path: str, tag) -> None:
         slot = next(s for s in self.slots if not s.busy)
         slot.busy = True
+        control = json.loads(Path(control_path).read_text())
+        if control.get("device") != slot.device:  # a slot freed since the control file was written
+            write_json(control_path, {**control, "device": slot.device})
         slot.jobs.put((control_path, tag))
 
     def wait(self) -> list[tuple]:

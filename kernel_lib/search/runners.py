@@ -32,6 +32,10 @@ class LaunchError(RuntimeError):
     """The variant cannot be launched as the spec says (unbound argument, bad grid): the variant's fault."""
 
 
+class CudaCompileError(RuntimeError):
+    """nvcc rejected the source (recorded as ``compile_error``, its log as the reason)."""
+
+
 def _grid(launch: dict, scope: dict) -> tuple[int, ...]:
     grid = evaluate(launch["grid"], scope)
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
@@ -59,7 +63,7 @@ def triton_binder(spec: KernelSpec, launch: dict, module_path: str) -> Callable[
         raise LaunchError(f"the source defines no launcher {spec.launcher!r}")
     params = list(getattr(kernel, "arg_names", []))
 
-    def bind(tensors: dict, scope: dict) -> Callable[[], None]:
+    def bind(tensors: dict, scope: dict, compile_only: bool = False) -> Callable[[], None]:
         constexprs = resolve_constexprs(launch["constexprs"], scope)
         scope = {**scope, **constexprs}
         grid = _grid(launch, scope)
@@ -69,6 +73,8 @@ def triton_binder(spec: KernelSpec, launch: dict, module_path: str) -> Callable[
             raise LaunchError(f"kernel arguments not named by the spec (inputs, outputs, scalars, sizes): {missing}")
         args = {p: values[p] for p in params if p not in constexprs}
         meta = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"], **constexprs}
+        if compile_only:  # build the binary for these arguments, launch nothing (JITFunction.warmup)
+            return (lambda: None) if custom is not None else (lambda: kernel.warmup(**args, grid=grid, **meta))
         if custom is not None:
             return lambda: custom(kernel, grid, args, meta)
         return lambda: kernel[grid](**args, **meta)
@@ -113,7 +119,7 @@ def compile_cuda(source: str, defines: dict[str, Any], out_dir: str) -> tuple[st
             cmd = [nvcc, kind, f"-arch={arch}", *options, "-o", tmp, str(src)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
-                raise RuntimeError(f"nvcc failed:\n{done.stderr.strip()}")
+                raise CudaCompileError(f"nvcc failed:\n{done.stderr.strip()}")
             os.replace(tmp, target)  # atomic: a concurrent worker sees a whole file or none
     shutil.copyfile(ptx, Path(out_dir) / "kernel.ptx")
     cuobjdump = shutil.which("cuobjdump")
@@ -135,7 +141,7 @@ def cuda_binder(spec: KernelSpec, launch: dict, source_path: str) -> Callable[[d
     constexprs_text = launch["constexprs"]
     compiled: dict[tuple, Any] = {}
 
-    def bind(tensors: dict, scope: dict) -> Callable[[], None]:
+    def bind(tensors: dict, scope: dict, compile_only: bool = False) -> Callable[[], None]:
         constexprs = resolve_constexprs(constexprs_text, scope)
         key = tuple(sorted(constexprs.items()))
         if key not in compiled:
@@ -146,6 +152,8 @@ def cuda_binder(spec: KernelSpec, launch: dict, source_path: str) -> Callable[[d
                 module = cupy.RawModule(code=source, options=tuple(options[:-2]))  # NVRTC: no -O3, -lineinfo
             compiled[key] = module.get_function(spec.entry)
         fn = compiled[key]
+        if compile_only:
+            return lambda: None
         full = {**scope, **constexprs}
         grid, block = _grid(launch, full), _grid({"grid": launch["block"]}, full)
         shared = int(evaluate(launch["shared_mem"], full))

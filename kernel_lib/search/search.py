@@ -73,8 +73,8 @@ class Search:
         self.baseline_id: str | None = None
         self.baseline_ms: float | None = None
         self.bottleneck: str | None = None
-        self.move_priors = prior_mod.move_priors(None, None)
         self.tactics = prior_mod.TacticGraph.load(self.store.tactics_path)
+        self.move_priors = prior_mod.move_priors(None, self.tactics)  # what earlier kernels taught, pooled
         self.baseline_source = spec.source_text()
         self.notes: list[str] = []
         self._bar = None
@@ -184,8 +184,13 @@ class Search:
         return parent.with_source(proposal.source), proposal.move or edge.move  # credited to the move it names
 
     def _measurements(self) -> list[dict]:
-        rows = [{"id": n.id, "status": n.status, "ms": n.ms} for n in self.graph.nodes.values() if n.reward is not None]
-        return sorted(rows, key=lambda r: r["ms"] or math.inf)[:8]
+        """The latest evaluations, with the move that produced each, for the language model's prompt."""
+        rows = [
+            {"id": e["id"], "move": e.get("key", "baseline"), "status": e.get("status", "ok"), "ms": e.get("ms")}
+            for e in self.store.events()
+            if e["type"] in ("baseline", "evaluated")
+        ]
+        return rows[-8:]
 
     # ---------------------------------------------------------------- the loop
     def _dispatch(self) -> bool:
@@ -244,6 +249,7 @@ class Search:
         gain = reward - parent.reward if ok and parent.reward is not None else None
         if self.bottleneck is not None:  # the tactic graph learns per bottleneck; unprofiled runs teach it nothing
             self.tactics.record(self.bottleneck, info["move"], gain)
+            self.tactics.save(self.store.tactics_path)  # a kill loses nothing it learned
         if ok:
             self._offer_actions(node_id)
         after = self.graph.incumbent()
@@ -272,6 +278,8 @@ class Search:
         self.variants[root.id] = root
         self.baseline_id = root.id
         result = self.store.read_result(root.id, baseline=True)
+        if result is not None and result.get("id") != root.id:
+            result = None  # a result of another baseline: evaluate this one
         if result is None:
             self._submit(root, baseline=True)
             [(_, result)] = self.evaluator.wait()
@@ -306,7 +314,10 @@ class Search:
             return
         folder = self.store.variant_dir(node_id, baseline)
         control, report = str(folder / "control.json"), str(folder / "ncu.csv")
-        cmd = prior_mod.ncu_command(sys.executable, control, report, self.spec.entry)
+        import torch
+
+        metrics_asked = prior_mod.ncu_metrics(torch.cuda.get_device_capability())  # no Hopper-only metric elsewhere
+        cmd = prior_mod.ncu_command(sys.executable, control, report, self.spec.entry, metrics=metrics_asked)
         metrics = prior_mod.run_ncu(cmd, timeout=max(120.0, s.timeout))
         if isinstance(metrics, str):
             self._note(f"Nsight Compute: {metrics}; priors stay uniform")
@@ -338,6 +349,11 @@ class Search:
         state = self.store.load_state()
         events = self.store.events()
         base = next((e for e in events if e["type"] == "baseline"), None)
+        if base is not None and base["id"] != Variant.baseline(self.spec).id:
+            raise RuntimeError(
+                f"{self.store.root} was searched from another baseline (source or launch changed since): "
+                "resume it with the spec it ran, or start in another --outdir"
+            )
         if state is None or base is None:
             return  # killed before the first state: the baseline runs (or its result.json is adopted)
         self.graph = Graph.from_dict(state["graph"], self.settings.seed)

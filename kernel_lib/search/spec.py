@@ -365,9 +365,5 @@ def find_specs(path: str | os.PathLike) -> list[KernelSpec]:
     return [load_spec(path)]
 
 
-def is_pow2(n: int) -> bool:
-    return n >= 1 and not n & (n - 1)
-
-
 def pow2_range(low: int, high: int) -> list[int]:
     return [1 << i for i in range(int(math.log2(low)), int(math.log2(high)) + 1) if low <= 1 << i <= high]

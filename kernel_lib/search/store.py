@@ -7,7 +7,9 @@
         spec.json                     the spec as run (sources resolved), so the folder stands alone
         baseline/                     run.json (settings and environment of each start or resume, a list),
                                       control.json, result.json, kernel_module.py | kernel.cu (+ .ptx, .sass), logs
-        variants/<id>/                control.json, result.json, kernel_module.py | kernel.cu, candidate.diff, logs
+        variants/<id>/                control.json, result.json, kernel_module.py | kernel.cu, candidate.diff, logs;
+                                      with --ncu-every also ncu.csv (Nsight Compute's raw page) and
+                                      profile_control.json / profile_result.json (the profiled launch)
         best -> variants/<id>         the incumbent: the fastest correct variant so far
         search_state.json             the whole graph (nodes, edges, N, Q, incumbent); replaced atomically
         events.jsonl                  one JSON object per line, appended and flushed (fsync) as it happens

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .moves import Action, rule_actions
+from .moves import Action, _knob_values, rule_actions
 from .pool import WorkerPool
 from .spec import KernelSpec
 from .store import RunStore
@@ -160,9 +160,7 @@ def _neighbours(v: Variant, spec: KernelSpec) -> list[Action]:
                 continue  # two knobs at once (a block size with its warps scaled): two steps, not one
             knob, value = a.label.split("=")
             current = v.launch[knob] if knob in ("num_warps", "num_stages") else v.launch["constexprs"][knob]
-            low, high = spec.tunable[knob]
-            values = list(range(low, high + 1)) if knob == "num_stages" else [1 << i for i in range(0, 16)]
-            values = [x for x in values if low <= x <= high]
+            values = _knob_values(spec, knob)
             i = values.index(current) if current in values else None
             if i is None or int(value) not in (values[max(i - 1, 0)], values[min(i + 1, len(values) - 1)]):
                 continue

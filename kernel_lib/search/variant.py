@@ -39,7 +39,8 @@ class Variant:
         return Variant.make(source, self.launch)
 
     def knobs(self) -> dict[str, Any]:
-        """The launch configuration flattened for tables: constexprs, num_warps, num_stages (CUDA: block dims)."""
+        """The launch configuration flattened for tables: constexprs, num_warps, num_stages (CUDA uses neither of
+        the last two; its block size is a constexpr)."""
         out = {k: v for k, v in self.launch["constexprs"].items()}
         out["num_warps"] = self.launch["num_warps"]
         out["num_stages"] = self.launch["num_stages"]

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .. import bench
-from .contract import Case, compare, make_case, mutated_inputs, poisoned_outputs
+from .contract import DTYPES, Case, compare, make_case, mutated_inputs, poisoned_outputs, shape_of
 from .runners import LaunchError, make_binder
 from .spec import KernelSpec, evaluate, load_spec
 
@@ -164,10 +164,12 @@ def evaluate_control(control: dict) -> dict:
         except Exception as exc:  # noqa: BLE001 - anything the source does on import is the variant's fault
             raise Failed("compile_error", _short(exc)) from None
         small = control.get("small", False)
-        if spec.kind == "triton" and device.startswith("cuda"):
-            _warm_compile(bind, spec, control, device, small)  # compile outside the GPU turn
+        seed = control.get("seed", 0)
+        with device_turn(device):  # the float64 reference runs on the GPU: not while another worker times
+            case = cached_case(spec, device, seed, small)
+        if device.startswith("cuda"):
+            _warm_compile(bind, spec, case, device)  # compile (no launch) outside the GPU turn
         with device_turn(device):
-            case = cached_case(spec, device, control.get("seed", 0), small)
             try:
                 run, outs, errors = _run_case(bind, spec, case, device, "wrong")
             except Failed:
@@ -218,16 +220,14 @@ def _poison(outs: dict) -> None:
         t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
 
 
-def _warm_compile(bind, spec, control, device, small) -> None:
-    """Compile by launching once on scratch tensors, before taking the GPU turn: compiles overlap, timings don't."""
-    case = cached_case(spec, device, control.get("seed", 0), small)
-    scratch = {k: v.clone() for k, v in case.inputs.items()}
+def _warm_compile(bind, spec, case, device) -> None:
+    """Compile without launching anything (Triton's ``warmup``), before taking the GPU turn: compiles overlap,
+    GPU work doesn't. A kernel whose compile fails here fails again at its first launch, with the same message."""
+    outs = {t.name: torch.empty(shape_of(t, case.scope), device=device, dtype=DTYPES[t.dtype]) for t in spec.outputs}
     try:
-        bind({**scratch, **poisoned_outputs(spec, case, device)}, case.scope)()
-        torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001
-        kind = "compile_error" if "compil" in type(exc).__name__.lower() else "runtime_error"
-        raise Failed(kind, _short(exc)) from None
+        bind({**case.inputs, **outs}, case.scope, compile_only=True)()
+    except Exception:  # noqa: BLE001, S110 - the launch under the GPU turn reports it
+        pass
 
 
 def _short(exc: BaseException, lines: int = 12) -> str:
