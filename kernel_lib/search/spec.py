@@ -80,6 +80,14 @@ def check_expression(text: str) -> ast.Expression:
     return tree
 
 
+def check_expressions(value: Any) -> Any:
+    """Check every string in ``value`` (a string, a number, None, or a dict of them) as an expression; return it."""
+    for item in value.values() if isinstance(value, dict) else [value]:
+        if isinstance(item, str):
+            check_expression(item)
+    return value
+
+
 def evaluate(text: Any, names: dict[str, Any]) -> Any:
     """The value of an expression (numbers pass through) with ``names`` and the allowed functions in scope."""
     if isinstance(text, (int, float, bool)) or text is None:
@@ -147,9 +155,7 @@ class TensorSpec(_Model):
     @field_validator("start", "step")
     @classmethod
     def _arange_expr(cls, value):
-        if isinstance(value, str):
-            check_expression(value)
-        return value
+        return check_expressions(value)
 
     @model_validator(mode="after")
     def _init_args(self):
@@ -171,27 +177,10 @@ class Launch(_Model):
     shared_mem: Union[int, str] = 0  # CUDA: dynamic shared memory bytes
     args: list[str] | None = None  # CUDA: the kernel's parameters in order
 
-    @field_validator("grid", "block")
+    @field_validator("grid", "block", "shared_mem", "constexprs")
     @classmethod
-    def _expr(cls, text):
-        if text is not None:
-            check_expression(text)
-        return text
-
-    @field_validator("shared_mem")
-    @classmethod
-    def _shared(cls, value):
-        if isinstance(value, str):
-            check_expression(value)
-        return value
-
-    @field_validator("constexprs")
-    @classmethod
-    def _constexpr_exprs(cls, constexprs):
-        for value in constexprs.values():
-            if isinstance(value, str):
-                check_expression(value)
-        return constexprs
+    def _expr(cls, value):
+        return check_expressions(value)
 
     @field_validator("num_warps")
     @classmethod
@@ -256,20 +245,10 @@ class KernelSpec(_Model):
             raise ValueError(f"use letters, digits, '_', '-' or '.', got {name!r}")
         return name
 
-    @field_validator("scalars")
+    @field_validator("scalars", "bytes", "flops")
     @classmethod
-    def _scalar_exprs(cls, scalars):
-        for value in scalars.values():
-            if isinstance(value, str):
-                check_expression(value)
-        return scalars
-
-    @field_validator("bytes", "flops")
-    @classmethod
-    def _count_exprs(cls, value):
-        if value is not None:
-            check_expression(value)
-        return value
+    def _exprs(cls, value):
+        return check_expressions(value)
 
     @field_validator("tunable")
     @classmethod
