@@ -1,0 +1,26 @@
+"""The optimization assistant: find what slows a PyTorch model down, apply the course's fixes, prove each one.
+
+    from kernel_lib.assistant import CompilerOptimizationAssistant
+    result = CompilerOptimizationAssistant().optimize_model(model, (idx, targets))
+    result                      # the report (HTML in a notebook); result.optimized_model is the fast model
+
+Modules, one job each: ``findings`` (the table of finding kinds), ``trace`` (record a forward's calls and data
+flow), ``source`` (loops in forward methods), ``dynamo`` (graph breaks, recompiles), ``measure`` (step time,
+memory, profile), ``detect`` (findings from those), ``rewrites`` (the automatic fixes), ``assistant`` (the loop:
+find, measure each fix alone, combine, validate), ``report`` (the result: tables, text, HTML, JSON, waterfall),
+``widgets`` (the notebook form), ``__main__`` (the command line: ``python -m kernel_lib.assistant --help``).
+"""
+
+from .assistant import CompilerOptimizationAssistant, split_inputs
+from .findings import KINDS, Finding, kinds_table
+from .report import Opportunity, OptimizationResult
+
+__all__ = [
+    "CompilerOptimizationAssistant",
+    "KINDS",
+    "Finding",
+    "OptimizationResult",
+    "Opportunity",
+    "kinds_table",
+    "split_inputs",
+]

@@ -1,0 +1,425 @@
+"""The assistant: analyze a model, suggest the course's fixes, apply them, prove each one.
+
+``optimize_model`` runs four phases on the reader's own model and inputs:
+
+1. **find**: record one forward (``trace.py``), read the forward methods' loops (``source.py``), ask Dynamo for
+   graph breaks and recompiles (``dynamo.py``), profile a step on a GPU (``measure.py``); the detectors
+   (``detect.py``) turn those into findings;
+2. **measure each fix alone**: for every finding with an automatic rewrite, rewrite a copy of the original, validate
+   it against the original (float64 reference, outputs and gradients, the course's tolerance rule) and time a
+   training step: ``estimated_speedup`` is that measured ratio, never a number from a table;
+3. **combine**: apply the validated fixes one after another, best first (module swaps, then the fused loss, then
+   precision, then compilation), keeping each only if the combined model still validates and the step gets
+   faster by more than the timing noise: a fix that makes a fast model slower is reported and not applied;
+4. **report**: the before/after table, the waterfall of step times, the validation of the final model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..validation import ComponentValidator, ValidationReport
+from . import detect, dynamo, measure, rewrites, source
+from . import trace as tracing
+from .findings import KINDS, Finding
+from .report import Opportunity, OptimizationResult, WaterfallStep
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NOISE = 0.02  # a combined fix must cut the step time by more than this share to be kept
+
+
+def split_inputs(example_inputs) -> tuple[tuple, dict]:
+    """A tensor, a tuple/list of positional arguments, or a dict of keyword arguments -> (args, kwargs)."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _tensors(args, kwargs):
+    return [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+
+
+def check_model_and_inputs(model, args, kwargs) -> torch.device:
+    """Clear errors for what the assistant cannot work with; returns the model's device."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("the model has no parameters: there is nothing to train or optimize")
+    device = params[0].device
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    bad = [d for d in dtypes if d not in SUPPORTED_DTYPES]
+    if bad:
+        names = ", ".join(str(d).replace("torch.", "") for d in bad)
+        raise ValueError(
+            f"unsupported parameter dtype {names}: the assistant optimizes float32, bfloat16 and float16 models"
+        )
+    for i, t in enumerate(_tensors(args, kwargs)):
+        if t.device != device:
+            raise ValueError(
+                f"example input {i} is on {t.device}, the model's parameters on {device}: move them to one device"
+            )
+    return device
+
+
+def _quiet():
+    """Dynamo's own warnings about graph breaks repeat what the report says, at length."""
+    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="torch._dynamo")
+
+
+class _LossOnly(torch.nn.Module):
+    """Compare models that compute their own loss by the loss alone (a fused loss returns no logits)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return measure.loss_of(self.model(*args, **kwargs))
+
+
+@dataclass
+class _Context:
+    args: tuple
+    kwargs: dict
+    device: torch.device
+    trace: tracing.Trace | None = None
+    dynamo: dynamo.DynamoReport | None = None
+    profile: measure.Profile | None = None
+    loops: dict = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+
+
+class CompilerOptimizationAssistant:
+    """Finds what slows a model down, applies the course's fixes, and proves each one on this machine.
+
+    ``device``: where to run (default: the model's device). ``train``: time forward + backward (default) or the
+    forward alone. ``timing``: ``warmup_ms`` / ``rep_ms`` for each measured step. ``progress``: a progress bar.
+    """
+
+    def __init__(
+        self,
+        device=None,
+        *,
+        train: bool = True,
+        validator: ComponentValidator | None = None,
+        warmup_ms: float | None = None,
+        rep_ms: float | None = None,
+        progress: bool = True,
+    ):
+        self.device = torch.device(device) if device is not None else None
+        self.train = train
+        self.validator = validator or ComponentValidator()
+        self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+        self.progress = progress
+        _quiet()
+
+    # ---- finding ---------------------------------------------------------------------------------------------
+    def _prepare(self, model, example_inputs) -> _Context:
+        args, kwargs = split_inputs(example_inputs)
+        if self.device is not None:
+            model.to(self.device)
+            move = lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+            args, kwargs = tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+        device = check_model_and_inputs(model, args, kwargs)
+        try:
+            with torch.no_grad():
+                model(*args, **kwargs)
+        except Exception as exc:
+            raise ValueError(f"the model fails on the example inputs: {type(exc).__name__}: {exc}") from exc
+        return _Context(args, kwargs, device)
+
+    def _find(self, model, ctx: _Context) -> list[Finding]:
+        compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+        ctx.trace = tracing.record(model, ctx.args, ctx.kwargs)
+        ctx.loops = source.model_loops(model)
+        ctx.dynamo = None if compiled else dynamo.analyze(model, ctx.args, ctx.kwargs)
+        ctx.profile = measure.profile_step(model, ctx.args, ctx.kwargs, train=self.train)
+        ctx.findings = detect.detect_all(model, ctx.trace, ctx.loops, ctx.dynamo, ctx.profile, compiled)
+        return ctx.findings
+
+    def analyze_component(self, module: torch.nn.Module, example_inputs) -> dict:
+        """What the assistant sees in ``module`` on ``example_inputs``, without changing anything.
+
+        Returns a dict: ``compilation_readiness`` (graphs, breaks with reasons and lines, recompiles),
+        ``fusion_opportunities`` and ``memory_bottlenecks`` (findings with their evidence), ``kernel_efficiency``
+        (kernels per step and GPU-busy share from the profiler on a GPU; recorded calls otherwise), and
+        ``optimization_suggestions`` (one line per finding: what, where, the fix).
+        """
+        ctx = self._prepare(module, example_inputs)
+        findings = self._find(module, ctx)
+        dyn = ctx.dynamo
+        fusion = {
+            "manual_attention",
+            "manual_norm",
+            "unfused_activation",
+            "separate_qkv",
+            "unfused_cross_entropy",
+            "expert_loop",
+            "python_loop",
+        }
+        memory = {"manual_attention", "unfused_cross_entropy"}
+        largest = sorted(ctx.trace.tensors.values(), key=lambda t: -t.numel() * t.element_size())[:5]
+        out = {
+            "compilation_readiness": {
+                "compiled": isinstance(module, torch._dynamo.eval_frame.OptimizedModule),
+                "graphs": dyn.graphs if dyn else None,
+                "fullgraph": dyn.fullgraph if dyn else None,
+                "graph_breaks": [{"reason": b.reason, "location": b.location} for b in (dyn.breaks if dyn else [])],
+                "recompiles": dyn.recompiles if dyn else None,
+                "recompile_reasons": dyn.recompile_reasons if dyn else [],
+                "error": dyn.error if dyn else "",
+            },
+            "fusion_opportunities": [f.to_dict() for f in findings if f.kind in fusion],
+            "memory_bottlenecks": [f.to_dict() for f in findings if f.kind in memory]
+            + [
+                {
+                    "kind": "largest_tensor",
+                    "shape": tuple(t.shape),
+                    "dtype": str(t.dtype).replace("torch.", ""),
+                    "MiB": t.numel() * t.element_size() / 2**20,
+                }
+                for t in largest
+            ],
+            "kernel_efficiency": self._efficiency(ctx),
+            "optimization_suggestions": [f"{f.kind} at {f.location}: {f.fix}" for f in findings],
+        }
+        ctx.trace = None  # drops the recorded tensors
+        return out
+
+    @staticmethod
+    def _efficiency(ctx: _Context) -> dict:
+        p = ctx.profile
+        if p is None:
+            return {
+                "measured_on": "cpu",
+                "recorded_calls_per_forward": len(ctx.trace.ops),
+                "note": "kernel counts and GPU-busy time are measured on a GPU",
+            }
+        return {
+            "measured_on": "cuda",
+            "kernels_per_step": p.kernels_per_step,
+            "device_ms": p.device_ms,
+            "wall_ms": p.wall_ms,
+            "gpu_busy": p.busy,
+            "top_kernels": p.top,
+        }
+
+    # ---- validating and timing -------------------------------------------------------------------------------
+    def _cost(self, model, args, kwargs) -> measure.StepCost:
+        on_gpu = measure.device_of(model, args, kwargs).type == "cuda"
+        warmup = self.warmup_ms if self.warmup_ms is not None else (100 if on_gpu else 5)
+        rep = self.rep_ms if self.rep_ms is not None else (500 if on_gpu else 20)
+        return measure.step_cost(model, args, kwargs, train=self.train, warmup_ms=warmup, rep_ms=rep)
+
+    def _validate(self, original, optimized, args, kwargs, loss_only: bool, autocast: bool) -> ValidationReport:
+        base = rewrites.Autocast(original) if autocast else original
+        if loss_only:
+            base, optimized = _LossOnly(base), _LossOnly(optimized)
+        inputs = dict(kwargs) if kwargs and not args else (args if not kwargs else None)
+        if inputs is None:  # both positional and keyword arguments: bind the keywords
+            inner_b, inner_o = base, optimized
+            base = _Bound(inner_b, kwargs)
+            optimized = _Bound(inner_o, kwargs)
+            inputs = args
+        return self.validator.validate_model(optimized, base, inputs)
+
+    def validate_optimization(self, original, optimized, example_inputs) -> dict:
+        """Correctness (errors of outputs and gradients against the original, float64 where it fits), speedup of
+        a training step, peak-memory change, and whether the optimized model ran (compiled) at all."""
+        args, kwargs = split_inputs(example_inputs)
+        check_model_and_inputs(original, args, kwargs)
+        with torch.no_grad():
+            out = original(*args, **kwargs)
+        loss_only = measure.returns_loss(out)
+        result = {"compile_success": True, "error": ""}
+        try:
+            report = self._validate(original, optimized, args, kwargs, loss_only, autocast=False)
+        except Exception as exc:
+            return {**result, "compile_success": False, "error": f"{type(exc).__name__}: {exc}", "passed": False}
+        before = self._cost(original, args, kwargs)
+        after = self._cost(optimized, args, kwargs)
+        return {
+            **result,
+            "passed": report.passed,
+            "validation": report,
+            "max_abs_error": _nanmax(r.max_abs_error for r in report),
+            "max_rel_error": _nanmax(r.rel_error for r in report),
+            "speedup": before.ms / after.ms,
+            "step_ms_before": before.ms,
+            "step_ms_after": after.ms,
+            "peak_memory_change": (after.peak_bytes - before.peak_bytes) / before.peak_bytes
+            if before.peak_bytes == before.peak_bytes and before.peak_bytes > 0
+            else math.nan,
+        }
+
+    # ---- optimizing ------------------------------------------------------------------------------------------
+    def optimize_model(
+        self,
+        model: torch.nn.Module,
+        example_inputs,
+        interactive: bool = False,
+        apply: bool = True,
+        techniques: list[str] | None = None,
+    ) -> OptimizationResult:
+        """Find, measure each fix alone, combine the ones that help (see the module docstring).
+
+        ``apply=False`` stops after measuring each fix alone. ``techniques`` limits which rewrites are tried.
+        ``interactive=True`` (in a notebook) measures, then shows a form to pick which fixes to apply.
+        """
+        ctx = self._prepare(model, example_inputs)
+        findings = self._find(model, ctx)
+        ctx.trace = None
+        args, kwargs = ctx.args, ctx.kwargs
+        with torch.no_grad():
+            loss_only = measure.returns_loss(model(*args, **kwargs))
+        baseline = self._cost(model, args, kwargs)
+        opportunities = []
+        candidates = [f for f in findings if f.technique and (techniques is None or f.technique in techniques)]
+        for f in findings:
+            if f not in candidates:
+                note = "no automatic rewrite: " + f.fix if not f.technique else "not among the techniques asked for"
+                opportunities.append(Opportunity.from_finding(f, note=note))
+        for f in _progress(candidates, "measuring each fix alone", self.progress):
+            opportunities.append(self._measure_alone(model, f, ctx, baseline, loss_only))
+        result = OptimizationResult(
+            model_name=type(model).__name__,
+            device=str(ctx.device),
+            findings=findings,
+            optimization_opportunities=opportunities,
+            baseline=baseline,
+            optimized_model=model,
+            env=_environment(ctx.device),
+            args=args,
+            kwargs=kwargs,
+            loss_only=loss_only,
+            _assistant=self,
+            _original=model,
+        )
+        if interactive:
+            from .widgets import choose
+
+            choose(result)
+        elif apply:
+            self.combine(result, [o for o in opportunities if o.validated and o.estimated_speedup])
+        return result
+
+    def _rewrite(self, model, findings: list[Finding]) -> tuple[torch.nn.Module, bool]:
+        new = copy.deepcopy(model)
+        autocast = False
+        for f in sorted(findings, key=lambda f: rewrites.REWRITES[f.technique][2]):
+            new, _ = rewrites.apply(new, f)
+            autocast |= f.technique == "bf16_autocast"
+        return new, autocast
+
+    def _measure_alone(self, model, finding: Finding, ctx: _Context, baseline, loss_only) -> Opportunity:
+        opp = Opportunity.from_finding(finding)
+        try:
+            new, autocast = self._rewrite(model, [finding])
+        except rewrites.RewriteError as exc:
+            opp.note = f"not applicable: {exc}"
+            return opp
+        try:
+            report = self._validate(model, new, ctx.args, ctx.kwargs, loss_only, autocast)
+        except Exception as exc:
+            opp.validated, opp.note = False, f"validation could not run: {type(exc).__name__}: {exc}"
+            return opp
+        opp.validation, opp.validated = report, report.passed
+        if not report.passed:
+            opp.note = "failed validation, not applied: " + report.summary()
+            return opp
+        try:
+            opp.cost = self._cost(new, ctx.args, ctx.kwargs)
+        except Exception as exc:
+            opp.validated, opp.note = False, f"the rewritten model failed to run a step: {type(exc).__name__}: {exc}"
+            return opp
+        opp.estimated_speedup = baseline.ms / opp.cost.ms
+        opp.note = "validated" + ("" if opp.estimated_speedup > 1 + NOISE else "; no faster alone")
+        return opp
+
+    def combine(self, result: OptimizationResult, chosen: list[Opportunity]) -> OptimizationResult:
+        """Apply ``chosen`` one after another (module swaps first, best first within a group), keeping each one
+        that validates and cuts the step time by more than NOISE; fills the waterfall and the final model."""
+        model, args, kwargs = result._original, result.args, result.kwargs
+        kept: list[Opportunity] = []
+        current_ms = result.baseline.ms
+        steps = [WaterfallStep("original", current_ms, result.baseline.peak_bytes, True, "")]
+        compile_like = [o for o in chosen if o.technique in ("compile", "cuda_graphs")]
+        best_compile = max(compile_like, key=lambda o: o.estimated_speedup or 0, default=None)
+        order = sorted(
+            (o for o in chosen if o.technique not in ("compile", "cuda_graphs")),
+            key=lambda o: (rewrites.REWRITES[o.technique][2], -(o.estimated_speedup or 0)),
+        ) + ([best_compile] if best_compile else [])
+        for o in chosen:
+            o.applied = False
+        final_model, final_report = model, None
+        for opp in _progress(order, "combining fixes", self.progress):
+            try:
+                candidate, auto = self._rewrite(model, [k.finding for k in kept] + [opp.finding])
+                report = self._validate(model, candidate, args, kwargs, result.loss_only, auto)
+                cost = self._cost(candidate, args, kwargs) if report.passed else None
+            except Exception as exc:
+                steps.append(WaterfallStep(opp.technique, math.nan, math.nan, False, f"{type(exc).__name__}: {exc}"))
+                continue
+            if cost is None:
+                steps.append(WaterfallStep(opp.technique, math.nan, math.nan, False, "failed validation combined"))
+                continue
+            faster = cost.ms < current_ms * (1 - NOISE)
+            reason = "" if faster else f"not faster on top of the others ({cost.ms:.3f} vs {current_ms:.3f} ms)"
+            steps.append(WaterfallStep(opp.technique, cost.ms, cost.peak_bytes, faster, reason))
+            if faster:
+                kept.append(opp)
+                opp.applied = True
+                current_ms, final_model, final_report = cost.ms, candidate, report
+        for o in chosen:
+            if not o.applied and o.note.startswith("validated"):
+                o.note += "; not kept when combined (see the waterfall)"
+        result.optimized_model = final_model
+        result.final_validation = final_report
+        result.waterfall = steps
+        result.final = self._cost(final_model, args, kwargs) if kept else result.baseline
+        return result
+
+
+class _Bound(torch.nn.Module):
+    """A model with some keyword arguments fixed: the validator then sees positional inputs only."""
+
+    def __init__(self, model, kwargs):
+        super().__init__()
+        self.model, self.kw = model, kwargs
+
+    def forward(self, *args):
+        return self.model(*args, **self.kw)
+
+
+def _nanmax(values) -> float:
+    """The largest value that is not NaN (informational checks carry NaN errors)."""
+    return max((v for v in values if v == v), default=math.nan)
+
+
+def _environment(device: torch.device) -> dict:
+    from .. import bench
+
+    return bench.environment(device.type)
+
+
+def _progress(items, desc, show):
+    if not show or len(items) < 2:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False)
+
+
+__all__ = ["CompilerOptimizationAssistant", "KINDS", "split_inputs"]

@@ -1,0 +1,566 @@
+"""A small GPT, one architecture written at several levels of the course: ``GPTConfig.impl`` picks the version.
+
+The model is a decoder-only, pre-norm transformer in the Llama style. For tokens idx (B, T)::
+
+    x = embed(idx)                                                  (B, T, d)    no learned position embedding
+    for each of the n_layers blocks:
+        x = x + attn(attn_norm(x))      causal self-attention, rotary embedding (RoPE) on q and k
+        x = x + mlp(mlp_norm(x))        SwiGLU: down(silu(gate(x)) * up(x)), or a top-k mixture of such experts
+    h = norm_f(x)                                                   (B, T, d)    what forward_hidden returns
+    logits = head(h)                                                (B, T, V)    head untied from embed
+    loss = cross_entropy(logits, targets)                           float32, mean over targets != -100
+
+Every norm is an RMSNorm (weight, no bias), no linear layer has a bias, RoPE uses the rotate-half convention
+(kernel_lib.rope's), and attention is scaled by 1/sqrt(head_dim). The loss is the cross-entropy alone in every
+version: with experts, kernel_lib.MoE's load-balancing loss is dropped (its coefficient set to 0), so that all
+versions compute the same number; a training script that wants it adds it itself.
+
+Four versions; the three values of ``impl`` select the submodule classes below, one small class per part:
+
+* ``impl="naive"`` (Level 0): written the way a model is often first written, as in many public model files:
+  separate q, k, v projections; RoPE computed in the attention's forward; attention written out as scores, a
+  causal mask, a softmax and a product; RMSNorm and the SwiGLU MLP as plain PyTorch ops; the loss on the full
+  logits; with experts, a router and a loop over expert MLPs (the routing of ``kernel_lib.moe_ref``).
+* ``impl="native"`` (Level 1): the same model written well in plain PyTorch. One fused qkv projection, RoPE
+  tables built once as buffers, ``F.scaled_dot_product_attention(is_causal=True)``, ``nn.RMSNorm``, one fused
+  gate_up projection; a mixture of experts with stacked weights, tokens sorted by expert once per layer.
+* ``torch.compile(GPT(config with impl="native"))`` (Level 2): the native version compiled; no code of its own.
+  The dense model compiles without a graph break (the MoE's group sizes are a host sync, hence a break).
+* ``impl="kernel_lib"`` (Level 4): the native layout with kernel_lib's Triton kernels: ``RMSNorm``, ``rope``,
+  ``flash_attention`` (float16/bfloat16; float32 runs SDPA), ``swiglu``, ``linear_cross_entropy`` (the loss
+  without the (B*T, V) logits) and ``MoE`` (grouped GEMMs, no host sync). They are torch.library custom ops, so
+  it compiles without a graph break too.
+
+Parameters, with E = n_experts and d_ff the MLP width::
+
+    N = 2 V d  +  d  +  n_layers (4 d² + 2 d + M)        M = 3 d d_ff (dense)  or  E (3 d d_ff + d) (MoE)
+
+(embedding and head, norm_f, and per block q/k/v/o, two norms and the MLP or the experts with their router).
+
+Weight layout, (out, in) for every nn.Linear weight:
+
+* naive: ``blocks.i.attn.{q,k,v,o}.weight`` (d, d); ``blocks.i.mlp.{gate,up}.weight`` (d_ff, d),
+  ``blocks.i.mlp.down.weight`` (d, d_ff); with experts ``blocks.i.mlp.router.weight`` (E, d) and
+  ``blocks.i.mlp.experts.e.{gate,up,down}.weight`` as above.
+* native and kernel_lib (one layout, the same names): ``blocks.i.attn.qkv.weight`` (3d, d) = [q; k; v] stacked
+  along dim 0, ``blocks.i.attn.o.weight``; ``blocks.i.mlp.gate_up.weight`` (2 d_ff, d) = [gate; up],
+  ``blocks.i.mlp.down.weight``; with experts ``blocks.i.mlp.router.weight`` and ``blocks.i.mlp.w_gate``,
+  ``w_up`` (E, d, d_ff) and ``w_down`` (E, d_ff, d), each expert's Linear weight transposed (kernel_lib.MoE's).
+* all: ``embed.weight`` (V, d), ``blocks.i.attn_norm.weight``, ``blocks.i.mlp_norm.weight``, ``norm_f.weight``
+  (d,), ``head.weight`` (V, d).
+
+Initialization: every weight is drawn in the naive layout, in one fixed order (``_naive_shapes``), in float32 on
+the model's device, then written into the version's layout: normal(0, 0.02) for embeddings and linears, residual
+projections (o, down) with std 0.02 / sqrt(2 n_layers) (GPT-2's scaling), norms at 1. The draws come from a
+generator seeded by one draw of the global RNG made before any submodule is built (their own initializations,
+overwritten, draw different amounts per version), so after ``torch.manual_seed(s)`` every version on one device
+starts from the same weights. ``transfer_weights(src, dst)`` copies weights between any two versions, and
+``naive_layout(model, grads=...)`` shows any version's weights or gradients under the naive names, for comparing
+versions parameter by parameter.
+"""
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.attention import HEAD_DIMS, flash_attention
+from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.moe import MoE
+from ..ops.norms import RMSNorm
+from ..ops.rope import rope, rope_cos_sin
+from ..ops.swiglu import swiglu
+
+__all__ = ["GPT", "GPTConfig", "transfer_weights", "naive_layout", "IMPLS"]
+
+IMPLS = ("naive", "native", "kernel_lib")
+
+
+@dataclass
+class GPTConfig:
+    """The model's sizes and version. ``d_ff`` None: 8/3 d rounded up to a multiple of 256 (SwiGLU's width for
+    about the parameters of a 4d GELU MLP). ``n_experts`` 0: a dense MLP; > 0: a mixture of that many experts, each
+    token sent to ``top_k`` of them."""
+
+    vocab_size: int = 32768
+    d_model: int = 1024
+    n_layers: int = 8
+    n_heads: int = 16
+    d_ff: Optional[int] = None
+    max_seq_len: int = 2048
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    n_experts: int = 0
+    top_k: int = 2
+    impl: str = "naive"
+
+    def __post_init__(self):
+        if self.d_ff is None:
+            self.d_ff = 256 * math.ceil(8 * self.d_model / 3 / 256)
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"the head dim d_model / n_heads must be even for RoPE's pairs, got {self.head_dim}")
+        if self.impl == "kernel_lib" and self.head_dim not in HEAD_DIMS:
+            raise ValueError(
+                f"impl 'kernel_lib' needs a head dim in {HEAD_DIMS} for flash attention, got {self.head_dim}"
+            )
+        if not self.rope_base > 0 or not self.norm_eps >= 0:
+            raise ValueError(f"rope_base must be > 0 and norm_eps >= 0, got {self.rope_base} and {self.norm_eps}")
+        if not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts must be 0 (dense MLP) or a positive integer, got {self.n_experts!r}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k must be between 1 and n_experts ({self.n_experts}), got {self.top_k}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+# --------------------------------------------------------------------------------------------------
+# Level 0, "naive": how a model is often first written
+# --------------------------------------------------------------------------------------------------
+class NaiveRMSNorm(nn.Module):
+    """RMSNorm as it appears in many model files: normalize in float32, cast back, scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class NaiveAttention(nn.Module):
+    """Causal self-attention with separate q, k, v projections and the score matrix written out."""
+
+    def __init__(self, config: GPTConfig, device=None, dtype=None):
+        super().__init__()
+        d = config.d_model
+        self.n_heads, self.head_dim, self.rope_base = config.n_heads, config.head_dim, config.rope_base
+        self.q = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
+        self.k = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
+        self.v = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
+        self.o = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+
+        # rotary embedding: pair i of position t turns by the angle t / base^(2i / hd)
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_base ** (torch.arange(0, dim, 2, device=x.device).float() / dim))
+        t = torch.arange(T, device=x.device).float()
+        freqs = torch.outer(t, inv_freq)  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
+        scores = scores.masked_fill(mask, float("-inf"))
+        att = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        y = att @ v  # (B, H, T, hd)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.o(y)
+
+
+class NaiveMLP(nn.Module):
+    """SwiGLU MLP with three projections."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.gate = nn.Linear(d_model, d_ff, bias=False, device=device, dtype=dtype)
+        self.up = nn.Linear(d_model, d_ff, bias=False, device=device, dtype=dtype)
+        self.down = nn.Linear(d_ff, d_model, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class NaiveMoE(nn.Module):
+    """Mixture of SwiGLU experts: softmax router, top-k, a Python loop over the experts."""
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, device=None, dtype=None):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(d_model, n_experts, bias=False, device=device, dtype=dtype)
+        self.experts = nn.ModuleList([NaiveMLP(d_model, d_ff, device=device, dtype=dtype) for _ in range(n_experts)])
+
+    def forward(self, x):
+        B, T, C = x.shape
+        x = x.view(-1, C)
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        topk_probs, topk_idx = torch.topk(probs, self.top_k, dim=-1)  # (B*T, k)
+        topk_probs = topk_probs / topk_probs.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (topk_idx == e).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            out.index_add_(0, token, (expert(x[token]) * topk_probs[token, slot, None]).to(x.dtype))
+        return out.view(B, T, C)
+
+
+# --------------------------------------------------------------------------------------------------
+# Level 1, "native": the same model written well in plain PyTorch
+# --------------------------------------------------------------------------------------------------
+def _rope_buffers(module: nn.Module, config: GPTConfig, device) -> None:
+    """cos, sin (max_seq_len, hd/2) float32, built once; non-persistent: rebuilt from the config, not saved.
+    (``model.to(dtype)`` would cast them too: build the model in its dtype, ``GPT(config, dtype=...)``, instead.)"""
+    cos, sin = rope_cos_sin(config.max_seq_len, config.head_dim, config.rope_base, device=device)
+    module.register_buffer("cos", cos, persistent=False)
+    module.register_buffer("sin", sin, persistent=False)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x (B, H, T, hd) by cos, sin (T, hd/2), rotate-half convention, in float32; returns x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class NativeAttention(nn.Module):
+    """Causal self-attention: one qkv matmul, cached RoPE tables, PyTorch's fused attention (SDPA)."""
+
+    def __init__(self, config: GPTConfig, device=None, dtype=None):
+        super().__init__()
+        d = config.d_model
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.qkv = nn.Linear(d, 3 * d, bias=False, device=device, dtype=dtype)
+        self.o = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
+        _rope_buffers(self, config, device)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, self.cos[:T], self.sin[:T]), apply_rope(k, self.cos[:T], self.sin[:T])
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd); no T x T tensor on GPUs
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class NativeMLP(nn.Module):
+    """SwiGLU MLP with gate and up fused into one matmul."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=False, device=device, dtype=dtype)
+        self.down = nn.Linear(d_ff, d_model, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class NativeMoE(nn.Module):
+    """Mixture of SwiGLU experts with stacked weights (kernel_lib.MoE's layout): the T*k assignments sorted by
+    expert once, each expert's rows a contiguous slice; one host sync per layer for the group sizes."""
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, device=None, dtype=None):
+        super().__init__()
+        self.top_k = top_k
+        kw = dict(device=device, dtype=dtype)
+        self.router = nn.Linear(d_model, n_experts, bias=False, **kw)
+        self.w_gate = nn.Parameter(torch.empty(n_experts, d_model, d_ff, **kw))  # filled by GPT.reset_parameters
+        self.w_up = nn.Parameter(torch.empty(n_experts, d_model, d_ff, **kw))
+        self.w_down = nn.Parameter(torch.empty(n_experts, d_ff, d_model, **kw))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, d) tokens
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # (N, k)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        order = experts.flatten().argsort(stable=True)  # the N*k assignments grouped by expert
+        token = order // self.top_k
+        counts = torch.bincount(experts.flatten(), minlength=self.w_gate.shape[0]).tolist()  # the host sync
+        groups = x[token].split(counts)
+        out = torch.cat(
+            [(F.silu(xe @ self.w_gate[e]) * (xe @ self.w_up[e])) @ self.w_down[e] for e, xe in enumerate(groups)]
+        )  # (N*k, d) in sorted order
+        y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)  # sums in float32, as kernel_lib.moe_ref
+        y = y.index_add(0, token, out.float() * weights.flatten()[order, None])
+        return y.to(x.dtype).reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# Level 4, "kernel_lib": the native layout on kernel_lib's Triton kernels
+# --------------------------------------------------------------------------------------------------
+class KernelAttention(NativeAttention):
+    """NativeAttention with kernel_lib.rope and kernel_lib.flash_attention."""
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd), strided views: no copy
+        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        q, k = rope(q, self.cos[:T], self.sin[:T]), rope(k, self.cos[:T], self.sin[:T])
+        if q.dtype in (torch.float16, torch.bfloat16):
+            y = flash_attention(q, k, v, causal=True)
+        else:  # flash_attention takes 16-bit inputs only (its tiles are 16-bit tensor-core matmuls): SDPA for float32
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class KernelMLP(NativeMLP):
+    """NativeMLP with kernel_lib.swiglu on the two halves of the fused projection (views, no copy)."""
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(swiglu(gate, up))
+
+
+class KernelMoE(MoE):
+    """kernel_lib.MoE returning y alone: its load-balancing loss is off (coefficient 0), so every version's loss is
+    the same cross-entropy."""
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, device=None, dtype=None):
+        super().__init__(d_model, d_ff, n_experts, top_k, aux_loss_coef=0.0, device=device, dtype=dtype)
+
+    def forward(self, x):
+        y, _ = super().forward(x)
+        return y
+
+
+# (norm, attention, dense MLP, mixture of experts) of each version
+_PARTS = {
+    "naive": (NaiveRMSNorm, NaiveAttention, NaiveMLP, NaiveMoE),
+    "native": (nn.RMSNorm, NativeAttention, NativeMLP, NativeMoE),
+    "kernel_lib": (RMSNorm, KernelAttention, KernelMLP, KernelMoE),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig, device=None, dtype=None):
+        super().__init__()
+        norm, attention, mlp, moe = _PARTS[config.impl]
+        kw = dict(device=device, dtype=dtype)
+        self.attn_norm = norm(config.d_model, eps=config.norm_eps, **kw)
+        self.attn = attention(config, **kw)
+        self.mlp_norm = norm(config.d_model, eps=config.norm_eps, **kw)
+        if config.n_experts:
+            self.mlp = moe(config.d_model, config.d_ff, config.n_experts, config.top_k, **kw)
+        else:
+            self.mlp = mlp(config.d_model, config.d_ff, **kw)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """The decoder-only transformer of the module docstring, in the version ``config.impl``.
+
+    ``forward(idx)`` returns the logits (B, T, V); ``forward(idx, targets)`` the mean cross-entropy (float32
+    scalar, targets -100 ignored). ``forward_hidden(idx)`` returns the final-normed hidden states (B, T, d): the
+    loss is ``F.cross_entropy(head(forward_hidden(idx)).float().flatten(0, 1), targets.flatten())``, the protocol a
+    loss-fusion rewrite uses (the kernel_lib version computes it as ``linear_cross_entropy(h, head.weight, ...)``).
+    """
+
+    def __init__(self, config: GPTConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        # The seed of reset_parameters, drawn first: the submodules' own initialization (overwritten below) draws
+        # a different amount of randomness in each version.
+        seed = int(torch.randint(0, 2**62, ()))
+        kw = dict(device=device, dtype=dtype)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model, **kw)
+        self.blocks = nn.ModuleList([Block(config, **kw) for _ in range(config.n_layers)])
+        self.norm_f = _PARTS[config.impl][0](config.d_model, eps=config.norm_eps, **kw)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False, **kw)
+        if self.head.weight.device.type != "meta":
+            self.reset_parameters(torch.Generator(self.head.weight.device).manual_seed(seed))
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """Draw the weights in the naive layout, in a fixed order, and write them into this version's layout: from
+        one generator state (the same global seed, on the same device) every version gets the same weights.
+        normal(0, 0.02), residual projections (o, down) 0.02 / sqrt(2 n_layers), norms 1."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        device = self.head.weight.device
+        weights = {}
+        for name, shape in _naive_shapes(self.config):
+            if name.endswith("norm.weight") or name == "norm_f.weight":
+                weights[name] = torch.ones(shape, device=device)
+            else:
+                std = residual_std if name.endswith((".o.weight", ".down.weight")) else 0.02
+                weights[name] = torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+        _load_naive_layout(self, weights)
+
+    def _check(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int64:
+            raise ValueError(f"idx must be an int64 tensor of token ids, got {getattr(idx, 'dtype', type(idx))}")
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
+        if idx.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {idx.shape[1]} is longer than max_seq_len ({self.config.max_seq_len})")
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
+                raise ValueError(f"targets must be an int64 tensor, got {getattr(targets, 'dtype', type(targets))}")
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+
+    def forward_hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden states (B, T, d) of tokens idx (B, T): everything but the head."""
+        self._check(idx)
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check(idx, targets)
+        h = self.forward_hidden(idx)
+        if targets is None:
+            return self.head(h)
+        if self.config.impl == "kernel_lib":  # head and loss fused: the (B*T, V) logits never exist
+            return linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight, targets.reshape(-1))
+        logits = self.head(h)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def num_parameters(self) -> int:
+        """All parameters, counted: the module docstring's N."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward and backward) per token at sequence length ``seq_len``: 6 N_m + 12 L d T.
+
+        N_m counts the weights each token is multiplied by: per layer 4 d² (attention) and 3 d d_ff per expert it
+        visits (top_k of them, plus the router's d E; 1 for a dense MLP), and the head's V d; not the embedding
+        lookup or the norms. 12 L d T is the attention's scores and weighted sum (2 matmuls of 2 d T FLOPs per
+        token forward, times 3 with backward), counting the whole T x T square as PaLM's appendix B does (a causal
+        kernel computes about half). Sources: Kaplan et al. (2020) section 2.1; Chowdhery et al., PaLM (2022).
+        """
+        c = self.config
+        mlp = 3 * c.d_model * c.d_ff * (c.top_k if c.n_experts else 1) + c.d_model * c.n_experts
+        matmul_weights = c.n_layers * (4 * c.d_model**2 + mlp) + c.vocab_size * c.d_model
+        return 6 * matmul_weights + 12 * c.n_layers * c.d_model * seq_len
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights across versions: the naive layout is the common currency
+# --------------------------------------------------------------------------------------------------
+_FUSED = {  # native/kernel_lib parameter within a block -> its naive parts, concatenated along dim 0
+    "attn.qkv.weight": ("attn.q.weight", "attn.k.weight", "attn.v.weight"),
+    "mlp.gate_up.weight": ("mlp.gate.weight", "mlp.up.weight"),
+}
+_STACKED = {  # stacked expert weight (E, in, out) -> each naive expert's nn.Linear weight (out, in), transposed
+    "mlp.w_gate": "gate.weight",
+    "mlp.w_up": "up.weight",
+    "mlp.w_down": "down.weight",
+}
+
+
+def _naive_shapes(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every weight of the naive version, in the fixed order the initialization draws them."""
+    d, d_ff, V, E = config.d_model, config.d_ff, config.vocab_size, config.n_experts
+    yield "embed.weight", (V, d)
+    for i in range(config.n_layers):
+        p = f"blocks.{i}."
+        yield p + "attn_norm.weight", (d,)
+        for proj in "qkvo":
+            yield f"{p}attn.{proj}.weight", (d, d)
+        yield p + "mlp_norm.weight", (d,)
+        if E:
+            yield p + "mlp.router.weight", (E, d)
+        for mlp in [f"{p}mlp.experts.{e}." for e in range(E)] if E else [p + "mlp."]:
+            yield mlp + "gate.weight", (d_ff, d)
+            yield mlp + "up.weight", (d_ff, d)
+            yield mlp + "down.weight", (d, d_ff)
+    yield "norm_f.weight", (d,)
+    yield "head.weight", (V, d)
+
+
+def _split_block_name(name: str) -> tuple[str, str]:
+    """'blocks.3.attn.qkv.weight' -> ('blocks.3.', 'attn.qkv.weight'); other names -> ('', name)."""
+    if name.startswith("blocks."):
+        _, i, rest = name.split(".", 2)
+        return f"blocks.{i}.", rest
+    return "", name
+
+
+def _unwrap(model: nn.Module) -> GPT:
+    """The GPT itself, also behind torch.compile (whose module prefixes every name with ``_orig_mod.``)."""
+    model = getattr(model, "_orig_mod", model)
+    if not isinstance(model, GPT):
+        raise TypeError(f"expected a GPT (or a compiled one), got {type(model).__name__}")
+    return model
+
+
+def naive_layout(model: GPT, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The model's weights (``grads``: their gradients, zeros where None) in the naive layout, under the naive
+    names and in ``_naive_shapes``' order; views of the parameters where the layouts agree. ``model`` may be
+    compiled."""
+    model = _unwrap(model)
+    out = {}
+    for name, param in model.named_parameters():
+        t = param.detach() if not grads else (param.grad if param.grad is not None else torch.zeros_like(param))
+        prefix, rest = _split_block_name(name)
+        if rest in _FUSED:
+            for part, chunk in zip(_FUSED[rest], t.chunk(len(_FUSED[rest])), strict=True):
+                out[prefix + part] = chunk
+        elif rest in _STACKED:
+            for e in range(t.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.{_STACKED[rest]}"] = t[e].T
+        else:
+            out[name] = t
+    return {name: out[name] for name, _ in _naive_shapes(model.config)}
+
+
+def _load_naive_layout(model: GPT, weights: dict[str, torch.Tensor]) -> None:
+    """Copy ``weights`` (naive layout and names) into ``model``'s parameters, whatever its version."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            prefix, rest = _split_block_name(name)
+            if rest in _FUSED:
+                src = torch.cat([weights[prefix + part] for part in _FUSED[rest]])
+            elif rest in _STACKED:
+                experts = range(param.shape[0])
+                src = torch.stack([weights[f"{prefix}mlp.experts.{e}.{_STACKED[rest]}"].T for e in experts])
+            else:
+                src = weights[name]
+            if src.shape != param.shape:  # copy_ would broadcast a wrong shape silently
+                raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(src.shape)}")
+            param.copy_(src)
+
+
+def transfer_weights(src: GPT, dst: GPT) -> None:
+    """Copy every weight of ``src`` into ``dst``, any two versions of one configuration (impl may differ):
+    q, k, v and gate, up are concatenated or split, experts stacked or unstacked; dtype and device follow ``dst``.
+    Either may be compiled."""
+    src, dst = _unwrap(src), _unwrap(dst)
+    same = dataclasses.replace(src.config, impl=dst.config.impl)
+    if same != dst.config:
+        differ = [f.name for f in dataclasses.fields(same) if getattr(same, f.name) != getattr(dst.config, f.name)]
+        raise ValueError(f"src and dst configs differ beyond impl, in: {', '.join(differ)}")
+    _load_naive_layout(dst, naive_layout(src))
