@@ -585,15 +585,24 @@ def _first_float(outputs: dict) -> torch.Tensor | None:
     return next((t for t in outputs.values() if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
 
+def _canonical(name: str) -> str:
+    """A parameter name without torch.compile's ``_orig_mod`` wrapper component."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def _match_names(opt_names: list[str], base_names: list[str]):
-    """{optimized name: original name}: exact names first, then a unique dotted suffix either way."""
-    base_set = set(base_names)
-    pairs = {o: o for o in opt_names if o in base_set}
-    left = [b for b in base_names if b not in pairs]
+    """{optimized name: original name}: exact names first (ignoring torch.compile's ``_orig_mod``), then a unique
+    dotted suffix either way (a wrapper adds a prefix)."""
+    canon = {b: _canonical(b) for b in base_names}
+    by_canon = {c: b for b, c in canon.items()}
+    pairs = {o: by_canon[_canonical(o)] for o in opt_names if _canonical(o) in by_canon}
+    taken = set(pairs.values())
+    left = [b for b in base_names if b not in taken]
     for o in opt_names:
         if o in pairs:
             continue
-        found = [b for b in left if o.endswith("." + b) or b.endswith("." + o)]
+        co = _canonical(o)
+        found = [b for b in left if co.endswith("." + canon[b]) or canon[b].endswith("." + co)]
         if len(found) == 1:
             pairs[o] = found[0]
             left.remove(found[0])

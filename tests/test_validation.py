@@ -538,3 +538,12 @@ def test_an_empty_report_does_not_pass():
     empty = ValidationReport()
     assert not empty.passed and "does not pass" in empty.summary()
     assert len(empty.to_dataframe().columns) == len(ValidationResult.__dataclass_fields__)
+
+
+def test_compiled_model_parameters_match_by_name():
+    # torch.compile wraps the module as _orig_mod: its gradients must still be compared with the original's
+    lin = torch.nn.Linear(8, 8)
+    report = ComponentValidator().validate_model(torch.compile(lin, backend="eager"), lin, torch.randn(4, 8))
+    assert report.passed
+    assert {r.name for r in report} >= {"grad weight", "grad bias"}
+    assert not any(r.name == "unmatched parameters" for r in report)

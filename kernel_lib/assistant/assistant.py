@@ -139,12 +139,13 @@ class CompilerOptimizationAssistant:
         return _Context(args, kwargs, device)
 
     def _find(self, model, ctx: _Context) -> list[Finding]:
-        compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
-        ctx.trace = tracing.record(model, ctx.args, ctx.kwargs)
-        ctx.loops = source.model_loops(model)
+        compiled = _is_compiled(model)
+        eager = model._orig_mod if compiled else model  # a compiled model's patterns are read from its eager code
+        ctx.trace = tracing.record(eager, ctx.args, ctx.kwargs)
+        ctx.loops = source.model_loops(eager)
         ctx.dynamo = None if compiled else dynamo.analyze(model, ctx.args, ctx.kwargs)
         ctx.profile = measure.profile_step(model, ctx.args, ctx.kwargs, train=self.train)
-        ctx.findings = detect.detect_all(model, ctx.trace, ctx.loops, ctx.dynamo, ctx.profile, compiled)
+        ctx.findings = detect.detect_all(eager, ctx.trace, ctx.loops, ctx.dynamo, ctx.profile, compiled)
         return ctx.findings
 
     def analyze_component(self, module: torch.nn.Module, example_inputs) -> dict:
@@ -171,7 +172,7 @@ class CompilerOptimizationAssistant:
         largest = sorted(ctx.trace.tensors.values(), key=lambda t: -t.numel() * t.element_size())[:5]
         out = {
             "compilation_readiness": {
-                "compiled": isinstance(module, torch._dynamo.eval_frame.OptimizedModule),
+                "compiled": _is_compiled(module),
                 "graphs": dyn.graphs if dyn else None,
                 "fullgraph": dyn.fullgraph if dyn else None,
                 "graph_breaks": [{"reason": b.reason, "location": b.location} for b in (dyn.breaks if dyn else [])],
@@ -314,11 +315,16 @@ class CompilerOptimizationAssistant:
         return result
 
     def _rewrite(self, model, findings: list[Finding]) -> tuple[torch.nn.Module, bool]:
-        new = copy.deepcopy(model)
+        """A rewritten copy. A compiled model is rewritten in its eager code and compiled again afterwards
+        (default options), unless one of the fixes compiles it itself."""
+        compiled = _is_compiled(model)
+        new = copy.deepcopy(model._orig_mod if compiled else model)
         autocast = False
         for f in sorted(findings, key=lambda f: rewrites.REWRITES[f.technique][2]):
             new, _ = rewrites.apply(new, f)
             autocast |= f.technique == "bf16_autocast"
+        if compiled and not any(f.technique in ("compile", "cuda_graphs") for f in findings):
+            new = torch.compile(new)
         return new, autocast
 
     def _measure_alone(self, model, finding: Finding, ctx: _Context, baseline, loss_only) -> Opportunity:
@@ -399,6 +405,10 @@ class _Bound(torch.nn.Module):
 
     def forward(self, *args):
         return self.model(*args, **self.kw)
+
+
+def _is_compiled(model) -> bool:
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
 
 
 def _nanmax(values) -> float:
