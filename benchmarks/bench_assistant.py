@@ -81,7 +81,23 @@ def phase_gpt(args, device, rows, state):
         compiled = torch.compile(other)
         cost = step_cost(compiled, inputs, {}, rep_ms=args.rep_ms)
         rows.append(row("gpt", f"hand-written {impl}, compiled", cost, tokens, speedup=result.baseline.ms / cost.ms))
+        if args.profile:
+            print_profile(f"hand-written {impl}, compiled", compiled, inputs)
+    if args.profile:
+        print_profile("assistant's result", result.optimized_model, inputs)
     state["gpt"] = (result, inputs, tokens)
+
+
+def print_profile(name, model, inputs):
+    """Where a step's GPU time goes: the top kernels (a GPU only)."""
+    from kernel_lib.assistant.measure import profile_step
+
+    p = profile_step(model, inputs, {})
+    if p is None:
+        return
+    print(f"{name}: {p.kernels_per_step} kernels, GPU busy {p.device_ms:.2f} of {p.wall_ms:.2f} ms per step")
+    for kernel, ms, calls in p.top[:8]:
+        print(f"    {ms:8.3f} ms  {calls:5d} x  {kernel[:110]}")
 
 
 def phase_again(args, device, rows, state):
@@ -165,6 +181,7 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="toy sizes, any device (smoke test, not a measurement)")
     parser.add_argument("--llama-batch", type=int, default=2)
     parser.add_argument("--rep-ms", type=float, default=None, help="timing window per measured step")
+    parser.add_argument("--profile", action="store_true", help="print each version's top kernels (GPU)")
     args = parser.parse_args(argv)
     if args.tiny:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -175,6 +175,7 @@ class ComponentValidator:
         self.reference_dtype = reference_dtype
         self.seed = int(seed)
         self._ref_dtype, self._note = _dt(reference_dtype), ""  # set per validation by _compare_runs
+        self._compute_atol = 0.0  # set per validation by _validate
 
     # ---- the public validators -------------------------------------------------------------------------
 
@@ -231,6 +232,11 @@ class ComponentValidator:
         _require_modules(optimized, baseline)
         args, kwargs = _split_inputs(inputs)
         device = _check_devices(optimized, baseline, args, kwargs)
+        # A float32 output of a bfloat16 model (a loss) carries bfloat16 rounding: atol follows the lowest precision
+        # the original computes in, not only the output's dtype.
+        floats = [t.dtype for t in (*baseline.parameters(), *args, *kwargs.values())
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]  # fmt: skip
+        self._compute_atol = max((_default_atol(d) for d in floats), default=0.0)
         upstream: dict = {}  # one random upstream gradient per output name and shape, shared by the three runs
         with _untouched(optimized, baseline):
             optimized.eval()
@@ -408,7 +414,7 @@ class ComponentValidator:
 
     def _rule(self, name, what, o, r, b, kind) -> ValidationResult:
         """The course's rule: ``o`` within factor x ``b``'s error against ``r``, plus atol (and rtol)."""
-        atol = self.atol if self.atol is not None else _default_atol(o.dtype)
+        atol = self.atol if self.atol is not None else max(_default_atol(o.dtype), self._compute_atol)
         c = check(o, r, b, name=name, factor=self.factor, atol=atol, rtol=self.rtol)
         base_err = c.baseline.max_abs if c.baseline is not None else math.nan
         allowance = f"{self.factor:g} x original's {_dt(b.dtype)} error {base_err:.1e}" if b is not None else "0"

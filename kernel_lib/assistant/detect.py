@@ -144,7 +144,8 @@ def manual_attention(trace: Trace) -> list[Finding]:
         scores = op.out_shapes[0]
         q_lin, q_ops = _back_to_linears(trace, src.inputs[0])
         k_lin, k_ops = _back_to_linears(trace, src.inputs[1])
-        v_lin, _ = _back_to_linears(trace, pv.inputs[1] if pv.inputs[0] == op.outputs[0] else pv.inputs[0])
+        probs_first = trace.origin(pv.inputs[0], skip=VIEW_OPS | {"dropout"}) is op  # which operand is softmax's
+        v_lin, _ = _back_to_linears(trace, pv.inputs[1] if probs_first else pv.inputs[0])
         out_lin = [trace.linear_module(u) for u in trace.uses(pv.outputs[0])]
         found.setdefault(
             op.module,

@@ -130,3 +130,15 @@ def test_autocast_keeps_a_float64_reference_exact():
     inner = torch.nn.Linear(4, 4).double()
     out = rewrites.Autocast(inner)(torch.randn(2, 4, dtype=torch.float64))
     assert out.dtype == torch.float64
+
+
+def test_attention_rewrite_in_bfloat16_where_casts_make_new_tensors():
+    # softmax(scores.float()).to(bf16) is a new tensor in bf16 (in float32 .to() returns the same one): the data
+    # flow must still tell the probabilities from v
+    model = GPT(GPTConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, max_seq_len=16), dtype=torch.bfloat16)
+    idx = torch.randint(0, 64, (2, 12))
+    f = finding(model, (idx, idx), "manual_attention")
+    item = f.data["blocks.0.attn"]
+    assert (item["q"], item["k"], item["v"]) == (["blocks.0.attn.q"], ["blocks.0.attn.k"], ["blocks.0.attn.v"])
+    new, _ = rewrites.apply(copy.deepcopy(model), f)
+    assert ComponentValidator().validate_model(new, model, (idx, idx)).passed
