@@ -78,6 +78,11 @@ def _cat_linear(x: torch.Tensor, linears: list[torch.nn.Linear]) -> torch.Tensor
     return F.linear(x, weight, bias)
 
 
+def _compiling() -> bool:
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)  # torch >= 2.3
+    return bool(is_compiling()) if is_compiling is not None else torch._dynamo.is_compiling()
+
+
 def _kernels_apply(t: torch.Tensor) -> bool:
     """Triton runs on CUDA tensors, and on CPU tensors only under the interpreter."""
     return t.is_cuda or ops._utils.is_interpreting()
@@ -167,8 +172,10 @@ class FusedSelfAttention(torch.nn.Module):
         return getattr(self, self.names[role].replace(".", "_"))
 
     def _cos_sin(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if _compiling():  # a table cached from inside a CUDA graph would be overwritten by the next replay
+            return rope_cos_sin(n, self.head_dim, self.rope_base, device=device)
         key = (n, str(device))
-        if key not in self._tables:  # built once per length: the naive code rebuilt it every call
+        if key not in self._tables:  # eager: built once per length (the naive code rebuilt it every call)
             self._tables[key] = rope_cos_sin(n, self.head_dim, self.rope_base, device=device)
         return self._tables[key]
 
