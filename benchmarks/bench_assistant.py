@@ -33,6 +33,7 @@ from kernel_lib import bench
 from kernel_lib.assistant import CompilerOptimizationAssistant
 from kernel_lib.assistant.measure import step_cost
 from kernel_lib.models import GPT, GPTConfig, transfer_weights
+from kernel_lib.models.zoo import hf_llama
 
 
 def gpt_setup(tiny: bool, device):
@@ -117,18 +118,7 @@ def phase_again(args, device, rows, state):
 
 
 def llama_model(tiny: bool, device, seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if tiny:
-        cfg = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
-    else:
-        cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
-                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
-                          rope_theta=500000.0)  # fmt: skip
-    torch.manual_seed(seed)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+    return hf_llama(tiny, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, seed=seed)
 
 
 def phase_llama(args, device, rows, state):

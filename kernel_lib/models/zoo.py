@@ -99,3 +99,23 @@ def recommender_inputs(batch: int, cardinalities: list[int], device=None) -> tor
     """Random features (batch, len(cardinalities)) int64, column i uniform below ``cardinalities[i]``."""
     columns = [torch.randint(0, c, (batch,), device=device) for c in cardinalities]
     return torch.stack(columns, dim=1)
+
+
+def hf_llama(tiny: bool = False, device=None, dtype=None, seed: int = 0):
+    """A Hugging Face ``LlamaForCausalLM`` built from a config with random weights (nothing downloaded).
+
+    The full size is the assistant's goal model: 8 layers of d 2048, 32 query and 8 key/value heads, d_ff 8192, a
+    Llama-3 vocabulary of 128256, RoPE theta 500000 (about 1.1B parameters). ``tiny`` is a 2-layer, d 64 model
+    with a vocabulary of 4096 for CPU runs. Needs ``transformers``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tiny:
+        cfg = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    else:
+        cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
+                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                          rope_theta=500000.0)  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
