@@ -1,0 +1,148 @@
+"""kernel_lib.cuda: the C++ operators against float64, their registration (opcheck, torch.compile), their errors.
+
+On a machine without a GPU these run the plain C++ CPU implementation; with one, every step of the CUDA ladder
+is checked too (tests marked ``gpu``).
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernel_lib import cuda
+from kernel_lib.ops.norms import rms_norm_ref
+from kernel_lib.ops.softmax import softmax_ref
+from tests._checks import check_compiled_matches_eager, check_forward_backward, rows_input
+
+HAS_CUDA = torch.cuda.is_available()
+DTYPES = [  # (dtype, atol): allowance on top of 2x PyTorch's own error in that dtype
+    pytest.param(torch.float32, 1e-6, id="fp32"),
+    pytest.param(torch.bfloat16, 1e-2, id="bf16"),
+]
+WIDTHS = [
+    pytest.param(1, id="D1"),  # one column: mean of squares of one value, softmax of one value is 1
+    pytest.param(1023, id="D1023"),  # odd: no vector width divides it
+    pytest.param(4097, id="D4097"),  # just past a power of two
+]
+LAYOUTS = ["contiguous", "sliced"]  # sliced: rows with a stride larger than their width
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    return cuda.build_info()
+
+
+def _device_variants(device):
+    # the CPU implementation ignores the variant: one CPU run covers them all
+    return list(cuda.VARIANTS) if device == "cuda" else ["best"]
+
+
+@pytest.mark.parametrize("dtype, atol", DTYPES)
+@pytest.mark.parametrize("D", WIDTHS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rms_norm_forward_backward(device, dtype, atol, D, layout):
+    for variant in _device_variants(device):
+        if variant == "online":
+            continue  # a softmax-only step
+        x = rows_input((3, 5, D), dtype, device, layout=layout, offset=0.5)
+        w = torch.rand(D, device=device, dtype=dtype) + 0.5
+        check_forward_backward(lambda x, w, v=variant: cuda.rms_norm(x, w, 1e-6, v), rms_norm_ref, [x, w],
+                               atol=atol, name=f"rms_norm {variant}")  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, atol", DTYPES)
+@pytest.mark.parametrize("D", WIDTHS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_softmax_forward_backward(device, dtype, atol, D, layout):
+    for variant in _device_variants(device):
+        x = rows_input((4, 3, D), dtype, device, layout=layout) * 3
+        check_forward_backward(lambda x, v=variant: cuda.softmax(x, v), lambda x: softmax_ref(x), [x], atol=atol,
+                               name=f"softmax {variant}")  # fmt: skip
+
+
+def test_opcheck(device):
+    x = torch.randn(6, 33, device=device)
+    w = torch.rand(33, device=device) + 0.5
+    fwd = torch.ops.kernel_lib_cuda.rms_norm_fwd
+    torch.library.opcheck(fwd.default, (x.requires_grad_(), w.requires_grad_(), 1e-6, -1))
+    y, rstd = fwd(x.detach(), w.detach(), 1e-6, -1)
+    torch.library.opcheck(torch.ops.kernel_lib_cuda.rms_norm_bwd.default, (torch.randn_like(y), x.detach(), w.detach(),
+                                                                          rstd, -1))  # fmt: skip
+    logits = torch.randn(6, 33, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.kernel_lib_cuda.softmax_fwd.default, (logits, -1))
+    s = torch.softmax(torch.randn(6, 33, device=device), -1)
+    torch.library.opcheck(torch.ops.kernel_lib_cuda.softmax_bwd.default, (s, torch.randn_like(s)))
+
+
+def test_compiles_without_graph_breaks(device):
+    x = torch.randn(4, 7, 64, device=device, requires_grad=True)
+    w = (torch.rand(64, device=device) + 0.5).requires_grad_()
+    check_compiled_matches_eager(lambda x, w: cuda.softmax(cuda.rms_norm(x, w) * 2), [x, w])
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: cuda.rms_norm(torch.ones(2, 4, dtype=torch.int64), torch.ones(4)), "x must be float32, bfloat16"),
+        (lambda: cuda.rms_norm(torch.ones(2, 4), torch.ones(5)), r"weight must have shape \(4,\)"),
+        (lambda: cuda.rms_norm(torch.ones(2, 4), torch.ones(4, dtype=torch.float64)), "weight must have x's dtype"),
+        (lambda: cuda.rms_norm(torch.ones(2, 4), torch.ones(4), eps=-1.0), "eps must be >= 0"),
+        (lambda: cuda.softmax(torch.ones(2, 4), variant="fastest"), "variant must be one of"),
+        (lambda: torch.ops.kernel_lib_cuda.rms_norm_bwd(torch.ones(2, 4), torch.ones(2, 4), torch.ones(4),
+                                                        torch.ones(2).double(), -1), "rstd must be float32"),
+        (lambda: torch.ops.kernel_lib_cuda.softmax_fwd(torch.ones(4, 3).t(), -1), "unit stride along its last dim"),
+        (lambda: torch.ops.kernel_lib_cuda.softmax_bwd(torch.ones(2, 4), torch.ones(2, 5)), "dy must have y's shape"),
+    ],
+)  # fmt: skip
+def test_errors_name_the_argument(call, match):
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
+        call()
+
+
+def test_module_matches_the_function(device):
+    m = cuda.RMSNorm(32, eps=1e-5, device=device)
+    x = torch.randn(3, 32, device=device)
+    torch.testing.assert_close(m(x), cuda.rms_norm(x, m.weight, 1e-5))
+    with pytest.raises(ValueError, match="variant"):
+        cuda.RMSNorm(8, variant="nope")
+
+
+def test_second_process_finds_the_build(built):
+    # the library is cached by a hash of its sources: another process loads it without compiling
+    code = "from kernel_lib import cuda; i = cuda.build_info(); print(i.cached, i.path)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cached, path = out.stdout.split()
+    assert cached == "True" and path == built.path
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_are_built_on_a_gpu(built):
+    assert built.with_cuda and built.arch.startswith("sm_")
+    assert torch.ops.kernel_lib_cuda.has_cuda_kernels()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [128, 4096, 65536, 262144])  # up to rows too wide for registers
+def test_cuda_variants_at_wide_rows(D):
+    x = torch.randn(8, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5
+    for variant in cuda.VARIANTS:
+        if variant != "online":
+            check_forward_backward(lambda x, w, v=variant: cuda.rms_norm(x, w, 1e-6, v), rms_norm_ref, [x, w],
+                                   atol=1e-2, name=f"rms_norm {variant} D={D}")  # fmt: skip
+        check_forward_backward(lambda x, v=variant: cuda.softmax(x, v), softmax_ref, [x], atol=1e-2,
+                               name=f"softmax {variant} D={D}")  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
+    want = cuda.rms_norm(x, w)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cuda.rms_norm(x, w)
+    g.replay()
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
