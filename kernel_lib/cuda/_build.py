@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,11 @@ def load(verbose: bool = False) -> BuildInfo:
         return _INFO
     from torch.utils import cpp_extension
 
+    if shutil.which("ninja") is None:  # pip's ninja puts its binary next to this interpreter, maybe not on PATH
+        scripts = sysconfig.get_path("scripts")
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+        if shutil.which("ninja") is None:
+            raise RuntimeError("kernel_lib.cuda builds with ninja: pip install ninja (or your system's package)")
     with_cuda = _can_build_cuda()
     arch = _cuda_arch() if with_cuda else ""
     sources = [CSRC / "ops.cpp"] + ([CSRC / "kernels.cu"] if with_cuda else [])

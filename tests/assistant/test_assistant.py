@@ -181,16 +181,9 @@ def _hf(name):
     transformers = pytest.importorskip("transformers")
     idx = torch.randint(0, 512, (2, 16))
     if name == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-        return transformers.LlamaForCausalLM(cfg), {"input_ids": idx, "labels": idx}
+        from kernel_lib.models.zoo import hf_llama
+
+        return hf_llama(tiny=True), {"input_ids": idx, "labels": idx}
     if name == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=64)
         return transformers.GPT2LMHeadModel(cfg), {"input_ids": idx, "labels": idx}
