@@ -57,6 +57,24 @@ overwritten, draw different amounts per version), so after ``torch.manual_seed(s
 starts from the same weights. ``transfer_weights(src, dst)`` copies weights between any two versions, and
 ``naive_layout(model, grads=...)`` shows any version's weights or gradients under the naive names, for comparing
 versions parameter by parameter.
+
+Decoding with a static KV cache (every version; ``kernel_lib.models.generate`` drives it)::
+
+    cache = model.init_cache(batch, max_len)      per layer k, v (B, H, max_len, hd), zeros, allocated once
+    logits = model.forward_step(prompt, cache, 0)                 prefill: T0 tokens at positions 0..T0-1
+    logits = model.forward_step(token, cache, pos, kv_len)        decode: one token (B, 1) at position pos
+
+A step embeds its n tokens, rotates q and k by the RoPE angles of their positions pos..pos+n-1 (rows of the same
+tables as ``forward``), writes k, v into the cache at those positions (``index_copy_`` with a position tensor)
+and attends over the first ``kv_len`` cached positions, where query t sees key j iff j <= pos + t. The shapes
+depend on n and kv_len alone, never on pos, so one decode step is one fixed sequence of kernels: what a CUDA
+graph captures. ``pos`` is therefore a Python int (eager use: attention reads exactly pos + n keys) or a
+one-element int64 tensor on the model's device (graph use: the position is data, rewritten before each replay).
+With a tensor, ``kv_len`` is a Python int fixed per captured graph: ``kv_bucket(pos + n, max_len)`` rounds up to
+a multiple of ``DECODE_BUCKET`` (64) positions, so a generation uses one graph per 64 tokens and reads at most 63
+unused positions. Attention over the cache: naive writes the masked scores out; native calls SDPA with a
+boolean mask; kernel_lib calls ``flash_attention`` (``flash_over_cache`` explains how it hides the unused tail
+without a mask argument).
 """
 
 import dataclasses
@@ -76,9 +94,10 @@ from ..ops.norms import RMSNorm
 from ..ops.rope import rope, rope_cos_sin
 from ..ops.swiglu import swiglu
 
-__all__ = ["GPT", "GPTConfig", "transfer_weights", "naive_layout", "IMPLS"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "transfer_weights", "naive_layout", "kv_bucket", "IMPLS", "DECODE_BUCKET"]
 
 IMPLS = ("naive", "native", "kernel_lib")
+DECODE_BUCKET = 64  # cache positions per decode bucket: kv_len of a tensor-position step is a multiple of it
 
 
 @dataclass
@@ -126,6 +145,81 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding: the static KV cache and attention over it
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class KVCache:
+    """Keys and values of every layer, ``k[i]``, ``v[i]`` (batch, n_heads, max_len, head_dim), allocated once by
+    ``GPT.init_cache`` and written in place by ``GPT.forward_step``. They start at zero and positions past the
+    current one are always masked, so a cache is reused for a new sequence without clearing it (stale values are
+    finite and weighted by exactly 0)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+
+def kv_bucket(end: int, max_len: int) -> int:
+    """The kv_len of a tensor-position step whose last token sits at position end - 1: ``end`` rounded up to a
+    multiple of DECODE_BUCKET, at most max_len."""
+    return min(max_len, -(-end // DECODE_BUCKET) * DECODE_BUCKET)
+
+
+def _cache_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """(n, kv_len) bool, True where query t (at positions[t]) sees cached key j: j <= positions[t]."""
+    return torch.arange(kv_len, device=positions.device) <= positions[:, None]
+
+
+def _write_cache(cache_k, cache_v, k, v, positions, kv_len: int):
+    """Write k, v (B, H, n, hd) at ``positions`` (index_copy_: a position tensor, no host value); return the views
+    of the first kv_len positions that attention reads."""
+    cache_k.index_copy_(2, positions, k)
+    cache_v.index_copy_(2, positions, v)
+    return cache_k[:, :, :kv_len], cache_v[:, :, :kv_len]
+
+
+def flash_over_cache(q, keys, values, positions, exact: bool):
+    """kernel_lib.flash_attention of q (B, H, n, hd), the queries at ``positions``, over the cached ``keys``,
+    ``values`` (B, H, M, hd) with M = kv_len, where key j is visible to query t iff j <= positions[t].
+
+    flash_attention has no mask and no length argument: what a query sees follows from the shapes alone (causal,
+    aligned bottom-right: row i of N sees keys j <= i + M - N). With ``exact`` (M = pos + n, known on the host:
+    prefill and eager decode) that is already the rule: causal, and no key is read in vain. With a position
+    tensor (graph decode) M is a bucket end that may exceed pos + n, and the stale tail must stay hidden without
+    reading pos on the host. So the queries are scattered into a zero block of R = min(M, DECODE_BUCKET) rows, the
+    one at position p into row p - (M - R): that row sees keys j <= p exactly. The other rows are discarded. R rows
+    cost what one does, as the kernel pads queries to a tile of 16 or more rows anyway and decode reads the cache,
+    not the queries; the scatter and gather are index ops on a position tensor, fine inside a CUDA graph. Rejected:
+    slicing k, v to pos + 1 (a new shape, hence a new graph, every token); the full square M x M (right, but M²
+    work per token); zero keys in the tail with a log-sum-exp correction (their scores are 0, not -inf: the
+    correction cancels catastrophically when the true scores are small). Needs pos >= M - R, which kv_bucket
+    guarantees and forward_step checks outside graph capture."""
+    if exact:
+        return flash_attention(q, keys, values, causal=True)
+    B, H, n, D = q.shape
+    M = keys.shape[2]
+    R = min(M, DECODE_BUCKET)
+    rows = positions - (M - R)  # (n,) the row of each query in the block
+    block = q.new_zeros(B, H, R, D).index_copy_(2, rows, q)  # (B, H, R, hd)
+    return flash_attention(block, keys, values, causal=True).index_select(2, rows)  # (B, H, n, hd)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,6 +279,29 @@ class NaiveAttention(nn.Module):
         y = att @ v  # (B, H, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.o(y)
+
+    def step(self, x, cache_k, cache_v, positions, kv_len: int, exact: bool):
+        """x (B, n, C) at ``positions`` (n,): q, k, v and RoPE as in forward, k and v written into the cache,
+        scores over the first kv_len cached keys with the positions after each query masked out."""
+        B, n, C = x.shape
+        q = self.q(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
+        k = self.k(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
+
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_base ** (torch.arange(0, dim, 2, device=x.device).float() / dim))
+        freqs = torch.outer(positions.float(), inv_freq)  # (n, hd/2): forward's rows at these positions
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, H, kv_len, hd)
+        scores = (q @ keys.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, n, kv_len)
+        scores = scores.masked_fill(~_cache_mask(positions, kv_len), float("-inf"))
+        att = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        y = att @ values  # (B, H, n, hd)
+        return self.o(y.transpose(1, 2).reshape(B, n, C))
 
 
 class NaiveMLP(nn.Module):
@@ -262,6 +379,26 @@ class NativeAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd); no T x T tensor on GPUs
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
+    _rope = staticmethod(apply_rope)  # the rotation a step uses; kernel_lib's version swaps in kernel_lib.rope
+
+    def step(self, x, cache_k, cache_v, positions, kv_len: int, exact: bool):
+        """x (B, n, C) at ``positions`` (n,): RoPE from the tables' rows at those positions, k and v written into
+        the cache, attention over the first kv_len cached keys (``_attend_cache``)."""
+        B, n, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=-1)
+        q = q.view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
+        k = k.view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)  # (n, hd/2), no sync
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, H, kv_len, hd)
+        y = self._attend_cache(q, keys, values, positions, exact)  # (B, H, n, hd)
+        return self.o(y.transpose(1, 2).reshape(B, n, C))
+
+    def _attend_cache(self, q, keys, values, positions, exact: bool):
+        # a boolean mask (True: attend) over all kv_len keys; SDPA picks a kernel that takes masks
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=_cache_mask(positions, keys.shape[2]))
+
 
 class NativeMLP(nn.Module):
     """SwiGLU MLP with gate and up fused into one matmul."""
@@ -326,6 +463,13 @@ class KernelAttention(NativeAttention):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
+    _rope = staticmethod(rope)
+
+    def _attend_cache(self, q, keys, values, positions, exact: bool):
+        if q.dtype in (torch.float16, torch.bfloat16):
+            return flash_over_cache(q, keys, values, positions, exact)
+        return super()._attend_cache(q, keys, values, positions, exact)  # float32: SDPA, as in forward
+
 
 class KernelMLP(NativeMLP):
     """NativeMLP with kernel_lib.swiglu on the two halves of the fused projection (views, no copy)."""
@@ -375,6 +519,10 @@ class Block(nn.Module):
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+    def step(self, x, cache_k, cache_v, positions, kv_len: int, exact: bool):
+        x = x + self.attn.step(self.attn_norm(x), cache_k, cache_v, positions, kv_len, exact)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -447,6 +595,88 @@ class GPT(nn.Module):
             return linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight, targets.reshape(-1))
         logits = self.head(h)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    # ----------------------------------------------------------------------------------------------
+    # Decoding with a static KV cache (the module docstring's last section)
+    # ----------------------------------------------------------------------------------------------
+    def init_cache(self, batch: int, max_len: Optional[int] = None, device=None, dtype=None) -> KVCache:
+        """A zeroed KVCache for ``batch`` sequences of up to ``max_len`` tokens (default max_seq_len), on the
+        model's device and in its dtype unless given (forward_step needs the model's dtype)."""
+        max_len = self.config.max_seq_len if max_len is None else max_len
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a positive integer, got {batch!r}")
+        if not isinstance(max_len, int) or not 1 <= max_len <= self.config.max_seq_len:
+            raise ValueError(
+                f"max_len must be an integer in [1, max_seq_len={self.config.max_seq_len}] (the RoPE "
+                f"tables' length), got {max_len!r}"
+            )
+        c, w = self.config, self.head.weight
+        shape = (batch, c.n_heads, max_len, c.head_dim)
+        kw = dict(device=w.device if device is None else device, dtype=w.dtype if dtype is None else dtype)
+        return KVCache([torch.zeros(shape, **kw) for _ in self.blocks], [torch.zeros(shape, **kw) for _ in self.blocks])
+
+    def _check_step(self, idx, cache, pos, kv_len) -> tuple[torch.Tensor, int, bool]:
+        """Check a step's arguments; return (positions (n,) int64 on idx's device, kv_len, exact)."""
+        self._check(idx)
+        B, n = idx.shape
+        if not isinstance(cache, KVCache) or len(cache.k) != self.config.n_layers:
+            raise ValueError(f"cache must be a KVCache from this model's init_cache, got {type(cache).__name__}")
+        w = self.head.weight
+        if cache.dtype != w.dtype or cache.device != w.device or cache.batch != B:
+            raise ValueError(
+                f"cache is (batch {cache.batch}, {cache.dtype}, {cache.device}), the step needs (batch {B}, "
+                f"{w.dtype}, {w.device}): the model's dtype and device, idx's batch"
+            )
+        if isinstance(pos, torch.Tensor):
+            if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != idx.device:
+                raise ValueError(
+                    f"a tensor pos must be one int64 element on idx's device ({idx.device}), got "
+                    f"{pos.dtype} {tuple(pos.shape)} on {pos.device}"
+                )
+            if kv_len is None:
+                raise ValueError(
+                    f"with a tensor pos, give kv_len (a Python int, the cache positions attention "
+                    f"reads): kv_bucket(pos + {n}, {cache.max_len})"
+                )
+            positions, exact = pos.reshape(1) + torch.arange(n, device=pos.device), False
+            capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
+            host_pos = None if capturing else int(pos)  # int(pos) syncs: checked in eager use only
+        elif isinstance(pos, int) and not isinstance(pos, bool):
+            host_pos, kv_len = pos, pos + n if kv_len is None else kv_len
+            positions, exact = torch.arange(pos, pos + n, device=idx.device), kv_len == pos + n
+        else:
+            raise ValueError(f"pos must be a Python int or a one-element int64 tensor, got {type(pos).__name__}")
+        if host_pos is not None and not (0 <= host_pos and host_pos + n <= cache.max_len):
+            raise ValueError(
+                f"tokens at positions [{host_pos}, {host_pos + n}) do not fit the cache of max_len {cache.max_len}"
+            )
+        if not isinstance(kv_len, int) or not 1 <= kv_len <= cache.max_len:
+            raise ValueError(f"kv_len must be an int in [1, the cache's max_len {cache.max_len}], got {kv_len!r}")
+        # unknown during graph capture: kv_bucket's guarantee stands in for these two checks
+        if host_pos is not None and host_pos + n > kv_len:
+            raise ValueError(f"kv_len {kv_len} is shorter than the positions it must read, pos + n = {host_pos + n}")
+        if host_pos is not None and not exact and kv_len - min(kv_len, DECODE_BUCKET) > host_pos:
+            raise ValueError(
+                f"kv_len {kv_len} reaches more than DECODE_BUCKET ({DECODE_BUCKET}) positions past pos {host_pos} "
+                "(flash_over_cache's block of queries): use kv_bucket(pos + n, max_len)"
+            )
+        return positions, kv_len, exact
+
+    @torch.no_grad()
+    def forward_step(self, idx: torch.Tensor, cache: KVCache, pos, kv_len: Optional[int] = None) -> torch.Tensor:
+        """Logits (B, n, V) of tokens idx (B, n) at positions pos..pos+n-1, given the cache's keys and values of
+        the positions before pos; writes the new keys and values into the cache (in place, no gradient).
+
+        ``pos``: a Python int (prefill, eager decode), or a one-element int64 tensor on idx's device (the CUDA
+        graph's decode step: the position is data). ``kv_len``: the cache positions attention reads, a Python int;
+        default pos + n for an int pos; required with a tensor, which needs pos + n <= kv_len <= pos + 64 or
+        kv_len <= 64 (``kv_bucket(pos + n, max_len)``; checked unless a CUDA graph is being captured).
+        """
+        positions, kv_len, exact = self._check_step(idx, cache, pos, kv_len)
+        x = self.embed(idx)
+        for block, cache_k, cache_v in zip(self.blocks, cache.k, cache.v, strict=True):
+            x = block.step(x, cache_k, cache_v, positions, kv_len, exact)
+        return self.head(self.norm_f(x))
 
     def num_parameters(self) -> int:
         """All parameters, counted: the module docstring's N."""
