@@ -1,0 +1,1263 @@
+// kernels.cu: RMSNorm (forward, backward) and row softmax (forward, backward) in CUDA C++, the ladder of notebook 05a.
+//
+//   RMSNorm:  y = x * rstd * w,   rstd = 1/sqrt(mean(x^2) + eps)        softmax: y = exp(x - max) / sum(exp(x - max))
+//
+// Every kernel reads rows of x, (rows, D) with unit stride along D and any row stride, writes y contiguous, accumulates
+// in float32 and rounds y once to x's dtype (float32, bfloat16 or float16). The floor is a copy: read x once and write
+// y once, 4 bytes per element in bf16. Each step of the ladder gets closer to it:
+//
+//  0 naive         One thread per row, scalar loads. The 32 threads of a warp read 32 different rows, so each 32-byte
+//                  sector fetched serves one element, and the grid is as small as the row count: 512 threads for
+//                  2^27 elements at D = 262,144, on a GPU that needs ~100,000 in flight. x is read 2x (RMSNorm)
+//                  or 3x (softmax: max, sum, output).
+//  1 block_shared  One block per row. Threads stride along the row, so a warp reads 32 adjacent elements (coalesced)
+//                  and every SM has work. The row statistic is a shared-memory tree: log2(threads) barriers.
+//                  x is still read 2-3 times; the repeats hit L1/L2 for narrow rows, DRAM for wide ones.
+//  2 warp_shuffle  The same, reduced with __shfl_xor_sync inside each warp and one value per warp through shared
+//                  memory: two barriers per reduction instead of log2(threads) + 1.
+//  3 vectorized    128-bit loads and stores (8 bf16 or 4 fp32 per instruction): 8x fewer memory instructions in
+//                  bf16 and 16 bytes in flight per instruction. A row whose start is not 16-byte aligned (row stride
+//                  not a multiple of the vector, or an offset view) and the tail of D use scalar accesses.
+//  4 registers     The row held in registers: each thread issues its VPT vector loads (VPT a compile-time constant)
+//                  before using any, then the statistic and the output come from registers: x is read once, the
+//                  copy's 4 bytes per element. One block holds up to 32,768 elements (1024 threads x 32 floats).
+//                  Wider rows, on Hopper: the row is split over a cluster of 2-8 blocks, each holding a slice in its
+//                  registers, the partial statistics exchanged through distributed shared memory (DSMEM), still one
+//                  read of x, up to 8 x 32,768 = 262,144 elements. Without clusters, or wider still, kRegisters runs
+//                  the two-pass kernel (step 3 for RMSNorm, step 5 for softmax).
+//  5 online        Softmax: one pass keeps a running (max, sum of exp(x - max)) per thread, rescaling the sum when the
+//                  max grows, combines them over the block, then one pass writes y: two reads of x at any width
+//                  (the second from L2 when the rows in flight fit in it). RMSNorm's kOnline is step 3, already
+//                  one statistics pass and one output pass.
+//
+// kBest, by width (in elements, the same for every dtype):
+//   D <= 16,384                          registers, one block per row (1-4 rows per block below 128 threads a row):
+//                                        at most 512 threads x 32 floats, so at least two blocks share an SM.
+//   16,384 < D <= 262,144 on Hopper      registers of a cluster: the smallest cluster (2, 4, 8) whose slice is at most
+//                                        16,384 elements, else 32,768; used when the device has cluster launch and the
+//                                        kernel was built for sm_90a (queried at run time), else the next rules.
+//   16,384 < D <= 32,768 otherwise       registers, one block of up to 1024 threads (one block per SM).
+//   wider                                softmax: online; RMSNorm: vectorized two-pass (2nd read partly from L2).
+// Why: holding the row is the only way to read x once. Up to 16,384 elements one block of <= 512 threads does it and
+// two or more blocks share an SM, so one block's reductions overlap another's loads. A 32,768-element row fills a
+// 1024-thread block (one per SM, nothing to overlap), so on Hopper two 16,384-element blocks of a cluster are used
+// instead; past 32,768 no block can hold the row (1024 threads x 64 registers) and a cluster is the only one-read
+// option. Without clusters a second read (from L2 at best) is unavoidable. The thresholds count elements, not bytes,
+// for every dtype: float32 has 4 elements a vector instead of 8, so VPT doubles and the budget of 32 floats a thread
+// is the same.
+//
+// Backward. RMSNorm with kRegisters or kBest, D <= 16,384: persistent blocks hold dy and x of one row in registers
+// (one read of each) and their dweight partials in shared memory, one float32 partial row per block. Other variants,
+// and wider rows: two streaming kernels, a per-row coefficient then column tiles computing dx and the dweight
+// partials (dy and x read twice). Either way a last kernel sums the partial rows in a fixed order: deterministic, no
+// atomics. Softmax backward (no variants): registers up to D = 16,384, a vectorized two-pass block per row beyond.
+//
+// All launches go to the current stream; temporaries come from PyTorch's caching allocator; nothing synchronizes with
+// the host, so every path can be captured in a CUDA graph. A launch error is reported with the kernel's name.
+
+#include "kernels.h"
+
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>  // at::cuda::getCurrentCUDAStream; ATen/cuda/CUDAContext.h would add cuBLAS headers
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+namespace cg = cooperative_groups;
+
+// A launch that failed (bad configuration, no kernel image for the device, too many resources) raises here, naming the
+// kernel, instead of surfacing at a later, unrelated CUDA call.
+#define KL_LAUNCH_CHECK(name)                                                                                  \
+  do {                                                                                                         \
+    const cudaError_t kl_err_ = cudaGetLastError();                                                            \
+    TORCH_CHECK(kl_err_ == cudaSuccess, "kernel_lib_cuda: launching ", name, " failed: ", cudaGetErrorName(kl_err_), \
+                " (", cudaGetErrorString(kl_err_), ")");                                                        \
+  } while (0)
+
+// The same for a runtime call that returns its error (cudaLaunchKernelEx).
+#define KL_CUDA_CHECK(expr, name)                                                                              \
+  do {                                                                                                         \
+    const cudaError_t kl_err_ = (expr);                                                                        \
+    TORCH_CHECK(kl_err_ == cudaSuccess, "kernel_lib_cuda: ", name, " failed: ", cudaGetErrorName(kl_err_), " (", \
+                cudaGetErrorString(kl_err_), ")");                                                              \
+  } while (0)
+
+// float32, bfloat16, float16 (not float64: the kernels accumulate in float32).
+#define KL_DISPATCH(dtype, fn, ...)                                                                 \
+  AT_DISPATCH_SWITCH(dtype, fn, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                           \
+                                    AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)                    \
+                                        AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace kernel_lib_cuda {
+namespace {
+
+constexpr int kMaxValues = 32;            // floats a thread holds of a row: fits a 1024-thread block's 64 registers
+constexpr int kMaxRowsPerBlock = 4;       // narrow rows: up to 4 rows per block (blockDim.y), >= 128 threads a block
+constexpr int kOneBlockMaxD = 32768;      // widest row one block holds in registers: 1024 threads x 32 floats
+constexpr int kBestOneBlockMaxD = 16384;  // kBest's one-block limit (<= 512 threads: 2 blocks per SM)
+constexpr int kClusterMax = 8;            // portable cluster size: clusters reach 8 x 32,768 = 262,144 elements
+constexpr int kBwdRegMaxD = 16384;        // backward registers paths: RMSNorm 1024 x 16 floats, softmax 512 x 32
+constexpr int kNormBwdMaxValues = 16;     // RMSNorm backward: dy and x held, 16 floats each per thread
+constexpr int64_t kMaxD = int64_t(1) << 30;  // column indices are int: col + a stride step stays below 2^31
+
+// =====================================================================================================================
+// Device helpers: 128-bit packs, loads with scalar fallback, reductions
+// =====================================================================================================================
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);  // elements in 128 bits: 4 fp32, 8 bf16/fp16
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {  // N elements loaded or stored by one instruction
+  T v[N];
+};
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Elements [col, col + N) of a row into f as float, `fill` at and past `end`. One 128-bit load when vec_ok (the row
+// start is 16-byte aligned; col is a multiple of N) and the N elements are all before `end`; scalar loads otherwise.
+template <int N, typename T>
+__device__ __forceinline__ void load_n(const T* row, int col, int end, bool vec_ok, float fill, float (&f)[N]) {
+  if (N > 1 && vec_ok && col + N <= end) {
+    const Pack<T, N> pack = *reinterpret_cast<const Pack<T, N>*>(row + col);
+#pragma unroll
+    for (int j = 0; j < N; ++j) f[j] = static_cast<float>(pack.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) f[j] = col + j < end ? static_cast<float>(row[col + j]) : fill;
+  }
+}
+
+// f rounded to T into elements [col, min(col + N, end)) of a row; the same vector/scalar rule as load_n.
+template <int N, typename T>
+__device__ __forceinline__ void store_n(T* row, int col, int end, bool vec_ok, const float (&f)[N]) {
+  if (N > 1 && vec_ok && col + N <= end) {
+    Pack<T, N> pack;
+#pragma unroll
+    for (int j = 0; j < N; ++j) pack.v[j] = static_cast<T>(f[j]);
+    *reinterpret_cast<Pack<T, N>*>(row + col) = pack;
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (col + j < end) row[col + j] = static_cast<T>(f[j]);
+  }
+}
+
+struct Sum {
+  static constexpr float kIdentity = 0.f;
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct Max {
+  static constexpr float kIdentity = -INFINITY;
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Butterfly over the 32 lanes: every lane ends with the warp's result (the ops are commutative, so bit-identical).
+template <class Op>
+__device__ __forceinline__ float warp_reduce(float v, Op op) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Step 1's reduction over a row's blockDim.x threads (a power of two; blockDim.y == 1): halve through shared memory,
+// one barrier per halving. smem: blockDim.x floats. Every thread gets the result.
+template <class Op>
+__device__ float block_reduce_tree(float v, Op op, float* smem) {
+  __syncthreads();  // the previous reduction may still be reading smem[0]
+  smem[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) smem[threadIdx.x] = op(smem[threadIdx.x], smem[threadIdx.x + s]);
+    __syncthreads();
+  }
+  return smem[0];
+}
+
+// Steps 2+: shuffles within each warp, one value per warp through shared memory, shuffles again. Reduces over the
+// blockDim.x threads (a multiple of 32) of row threadIdx.y; smem: 32 floats per row of the block. Every thread of
+// the block must call it (it has barriers); every thread gets its row's result.
+template <class Op>
+__device__ float block_reduce_warp(float v, Op op, float* smem) {
+  v = warp_reduce(v, op);
+  if (blockDim.x == 32) return v;
+  float* s = smem + threadIdx.y * 32;
+  const int lane = threadIdx.x & 31;
+  __syncthreads();  // the previous reduction may still be reading s
+  if (lane == 0) s[threadIdx.x >> 5] = v;
+  __syncthreads();
+  return warp_reduce(lane < int(blockDim.x >> 5) ? s[lane] : Op::kIdentity, op);
+}
+
+enum class Reduce { kTree, kWarp };
+
+template <Reduce R, class Op>
+__device__ __forceinline__ float block_reduce(float v, Op op, float* smem) {
+  if constexpr (R == Reduce::kTree) return block_reduce_tree(v, op, smem);
+  else return block_reduce_warp(v, op, smem);
+}
+
+// The online softmax's state: a running max m and the sum s of exp(x - m) over the elements seen.
+struct MaxSum {
+  float m, s;
+};
+__device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.f};  // only -inf seen: exp(-inf - -inf) would be NaN
+  return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m)};
+}
+__device__ __forceinline__ MaxSum warp_reduce(MaxSum v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = combine(v, {__shfl_xor_sync(0xffffffffu, v.m, offset), __shfl_xor_sync(0xffffffffu, v.s, offset)});
+  return v;
+}
+__device__ MaxSum block_reduce(MaxSum v, float2* smem) {  // blockDim.y == 1; smem: 32 float2
+  v = warp_reduce(v);
+  if (blockDim.x == 32) return v;
+  const int lane = threadIdx.x & 31;
+  __syncthreads();
+  if (lane == 0) smem[threadIdx.x >> 5] = make_float2(v.m, v.s);
+  __syncthreads();
+  const float2 t = lane < int(blockDim.x >> 5) ? smem[lane] : make_float2(-INFINITY, 0.f);
+  return warp_reduce(MaxSum{t.x, t.y});
+}
+
+// =====================================================================================================================
+// Kernel arguments (one struct per op, passed by value)
+// =====================================================================================================================
+template <typename T>
+struct NormFwd {
+  const T* x;        // input rows (rows, D), unit stride along D
+  int64_t x_stride;  // elements between the starts of consecutive rows of x
+  const T* w;        // weight (D,)
+  T* y;              // output (rows, D), contiguous
+  float* rstd;       // output (rows,): 1 / sqrt(mean(x^2) + eps), saved for backward
+  int64_t rows;      // number of rows
+  int D;             // row width
+  float inv_D;       // 1 / D, rounded once on the host
+  float eps;         // added to the mean square
+};
+
+template <typename T>
+struct SoftmaxFwd {
+  const T* x;        // input rows (rows, D), unit stride along D
+  int64_t x_stride;  // elements between row starts of x
+  T* y;              // output (rows, D), contiguous
+  int64_t rows;      // number of rows
+  int D;             // row width
+};
+
+template <typename T>
+struct NormBwd {
+  const T* dy;             // upstream gradient (rows, D), unit stride along D
+  int64_t dy_stride;       // elements between row starts of dy
+  const T* x;              // forward input (rows, D), unit stride along D
+  int64_t x_stride;        // elements between row starts of x
+  const T* w;              // weight (D,)
+  const float* rstd;       // (rows,) saved by the forward
+  T* dx;                   // output (rows, D), contiguous
+  float* partial;          // output (partial rows, D) float32: each block's (or row chunk's) share of dweight
+  float* coef;             // (rows,) float32: rstd^3 * mean(w*dy*x) per row (streaming path only)
+  int64_t rows;            // number of rows
+  int D;                   // row width
+  float inv_D;             // 1 / D
+  int64_t rows_per_block;  // rows per persistent block or per row chunk
+};
+
+template <typename T>
+struct SoftmaxBwd {
+  const T* y;         // forward output (rows, D), unit stride along D
+  int64_t y_stride;   // elements between row starts of y
+  const T* dy;        // upstream gradient (rows, D), unit stride along D
+  int64_t dy_stride;  // elements between row starts of dy
+  T* dx;              // output (rows, D), contiguous
+  int64_t rows;       // number of rows
+  int D;              // row width
+};
+
+// =====================================================================================================================
+// RMSNorm forward
+// =====================================================================================================================
+
+// Step 0. One thread per row: the sum of squares over the row, then the output, both with scalar loads.
+// Grid: ceil(rows / blockDim.x) blocks of blockDim.x threads.
+template <typename T>
+__global__ void rms_norm_fwd_naive_kernel(const NormFwd<T> p) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= p.rows) return;
+  const T* xr = p.x + row * p.x_stride;
+  float ss = 0.f;
+  for (int c = 0; c < p.D; ++c) {
+    const float v = static_cast<float>(xr[c]);
+    ss += v * v;
+  }
+  const float r = 1.f / sqrtf(ss * p.inv_D + p.eps);
+  p.rstd[row] = r;
+  T* yr = p.y + row * p.D;
+  for (int c = 0; c < p.D; ++c) yr[c] = static_cast<T>(static_cast<float>(xr[c]) * r * static_cast<float>(p.w[c]));
+}
+
+// Steps 1-3 (and the two-pass path for rows too wide for registers). One block per row (grid: rows): its threads
+// stride along the row N elements at a time (N = 1: scalar; N = kVec<T>: 128-bit), sum the squares, reduce with R
+// (tree or warp shuffles), then read x again (L1/L2 when the row is recent enough) to write y.
+// Dynamic shared memory: max(blockDim.x, 32) floats.
+template <typename T, Reduce R, int N>
+__global__ void __launch_bounds__(1024) rms_norm_fwd_rows_kernel(const NormFwd<T> p) {
+  extern __shared__ float smem[];
+  const int64_t row = blockIdx.x;
+  const T* xr = p.x + row * p.x_stride;
+  T* yr = p.y + row * p.D;
+  const bool xv = aligned16(xr), yv = aligned16(yr), wv = aligned16(p.w);
+  const int step = blockDim.x * N;
+  float ss = 0.f;
+  for (int c = threadIdx.x * N; c < p.D; c += step) {
+    float f[N];
+    load_n<N>(xr, c, p.D, xv, 0.f, f);
+#pragma unroll
+    for (int j = 0; j < N; ++j) ss += f[j] * f[j];
+  }
+  ss = block_reduce<R>(ss, Sum{}, smem);
+  const float r = 1.f / sqrtf(ss * p.inv_D + p.eps);
+  if (threadIdx.x == 0) p.rstd[row] = r;
+  for (int c = threadIdx.x * N; c < p.D; c += step) {
+    float f[N], wf[N];
+    load_n<N>(xr, c, p.D, xv, 0.f, f);
+    load_n<N>(p.w, c, p.D, wv, 0.f, wf);
+#pragma unroll
+    for (int j = 0; j < N; ++j) f[j] = f[j] * r * wf[j];
+    store_n<N>(yr, c, p.D, yv, f);
+  }
+}
+
+// Step 4. Rows held in registers. Block (threads, rows_per_block): row blockIdx.x * blockDim.y + threadIdx.y; thread
+// t holds the VPT vectors starting at elements (t + i * blockDim.x) * N, so each warp-wide load is contiguous. All VPT
+// loads are issued before the first use; x is read once.
+template <typename T, int VPT>
+__global__ void __launch_bounds__(1024) rms_norm_fwd_registers_kernel(const NormFwd<T> p) {
+  constexpr int N = kVec<T>;
+  __shared__ float red[kMaxRowsPerBlock * 32];
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool valid = row < p.rows;  // a block's last rows may be past the end: they load nothing, store nothing
+  const int end = valid ? p.D : 0;
+  const T* xr = p.x + (valid ? row : 0) * p.x_stride;
+  const bool xv = aligned16(xr);
+  float v[VPT][N];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) load_n<N>(xr, (threadIdx.x + i * blockDim.x) * N, end, xv, 0.f, v[i]);
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) ss += v[i][j] * v[i][j];
+  ss = block_reduce_warp(ss, Sum{}, red);
+  if (!valid) return;  // after the last barrier
+  const float r = 1.f / sqrtf(ss * p.inv_D + p.eps);
+  if (threadIdx.x == 0) p.rstd[row] = r;
+  T* yr = p.y + row * p.D;
+  const bool yv = aligned16(yr), wv = aligned16(p.w);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int col = (threadIdx.x + i * blockDim.x) * N;
+    float wf[N];
+    load_n<N>(p.w, col, p.D, wv, 0.f, wf);
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[i][j] = v[i][j] * r * wf[j];
+    store_n<N>(yr, col, p.D, yv, v[i]);
+  }
+}
+
+// Step 4 for rows wider than a block (Hopper, sm_90+). A cluster of C blocks per row (grid: rows * C, cluster dims
+// (C, 1, 1)); block `rank` holds columns [rank * slice, (rank + 1) * slice) in registers as in the kernel above. Each
+// block's sum of squares goes to its shared memory; after a cluster barrier every block reads all C partials through
+// DSMEM and adds them in rank order (the same total, bit for bit, in every block); a second barrier (arrive now, wait
+// before exiting) keeps each block's shared memory alive until the others have read it.
+template <typename T, int VPT>
+__global__ void __launch_bounds__(1024) rms_norm_fwd_cluster_kernel(const NormFwd<T> p, int slice) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int N = kVec<T>;
+  __shared__ float red[32];
+  __shared__ float part;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  const int64_t row = blockIdx.x / C;
+  const int begin = rank * slice, end = min(p.D, begin + slice);
+  const T* xr = p.x + row * p.x_stride;
+  const bool xv = aligned16(xr);
+  float v[VPT][N];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) load_n<N>(xr, begin + (threadIdx.x + i * blockDim.x) * N, end, xv, 0.f, v[i]);
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) ss += v[i][j] * v[i][j];
+  ss = block_reduce_warp(ss, Sum{}, red);
+  if (threadIdx.x == 0) part = ss;
+  cluster.sync();  // every block's partial written and visible
+  float total = 0.f;
+  for (int q = 0; q < C; ++q) total += *cluster.map_shared_rank(&part, q);
+  cluster.barrier_arrive();  // done reading the others' shared memory
+  const float r = 1.f / sqrtf(total * p.inv_D + p.eps);
+  if (rank == 0 && threadIdx.x == 0) p.rstd[row] = r;
+  T* yr = p.y + row * p.D;
+  const bool yv = aligned16(yr), wv = aligned16(p.w);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int col = begin + (threadIdx.x + i * blockDim.x) * N;
+    float wf[N];
+    load_n<N>(p.w, col, end, wv, 0.f, wf);
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[i][j] = v[i][j] * r * wf[j];
+    store_n<N>(yr, col, end, yv, v[i]);
+  }
+  cluster.barrier_wait();  // no block exits while another may still read its `part`
+#else
+  __trap();  // the host launches this only for a binary built for sm_90+
+#endif
+}
+
+// =====================================================================================================================
+// Softmax forward
+// =====================================================================================================================
+
+// Step 0. One thread per row: max, sum of exp(x - max), output; three scalar passes over the row.
+template <typename T>
+__global__ void softmax_fwd_naive_kernel(const SoftmaxFwd<T> p) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= p.rows) return;
+  const T* xr = p.x + row * p.x_stride;
+  float m = -INFINITY;
+  for (int c = 0; c < p.D; ++c) m = fmaxf(m, static_cast<float>(xr[c]));
+  float s = 0.f;
+  for (int c = 0; c < p.D; ++c) s += __expf(static_cast<float>(xr[c]) - m);
+  const float inv = 1.f / s;  // a row of only -inf: m = -inf, s = NaN, y = NaN, as in PyTorch
+  T* yr = p.y + row * p.D;
+  for (int c = 0; c < p.D; ++c) yr[c] = static_cast<T>(__expf(static_cast<float>(xr[c]) - m) * inv);
+}
+
+// Steps 1-3. One block per row (grid: rows), N elements per access, reductions R: pass 1 the max, pass 2 the sum of
+// exp(x - max), pass 3 the output; x is read three times. Dynamic shared memory: max(blockDim.x, 32) floats.
+template <typename T, Reduce R, int N>
+__global__ void __launch_bounds__(1024) softmax_fwd_rows_kernel(const SoftmaxFwd<T> p) {
+  extern __shared__ float smem[];
+  const int64_t row = blockIdx.x;
+  const T* xr = p.x + row * p.x_stride;
+  T* yr = p.y + row * p.D;
+  const bool xv = aligned16(xr), yv = aligned16(yr);
+  const int step = blockDim.x * N;
+  float m = -INFINITY;
+  for (int c = threadIdx.x * N; c < p.D; c += step) {
+    float f[N];
+    load_n<N>(xr, c, p.D, xv, -INFINITY, f);
+#pragma unroll
+    for (int j = 0; j < N; ++j) m = fmaxf(m, f[j]);
+  }
+  m = block_reduce<R>(m, Max{}, smem);
+  float s = 0.f;
+  for (int c = threadIdx.x * N; c < p.D; c += step) {
+    float f[N];
+    load_n<N>(xr, c, p.D, xv, -INFINITY, f);
+#pragma unroll
+    for (int j = 0; j < N; ++j) s += __expf(f[j] - m);
+  }
+  s = block_reduce<R>(s, Sum{}, smem);
+  const float inv = 1.f / s;
+  for (int c = threadIdx.x * N; c < p.D; c += step) {
+    float f[N];
+    load_n<N>(xr, c, p.D, xv, -INFINITY, f);
+#pragma unroll
+    for (int j = 0; j < N; ++j) f[j] = __expf(f[j] - m) * inv;
+    store_n<N>(yr, c, p.D, yv, f);
+  }
+}
+
+// Step 4. Rows held in registers (layout as rms_norm_fwd_registers_kernel): max and sum from registers, exp computed
+// once and kept, one read of x. Padding loads -inf, which adds exp(-inf) = 0 to the sum.
+template <typename T, int VPT>
+__global__ void __launch_bounds__(1024) softmax_fwd_registers_kernel(const SoftmaxFwd<T> p) {
+  constexpr int N = kVec<T>;
+  __shared__ float red[kMaxRowsPerBlock * 32];
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool valid = row < p.rows;
+  const int end = valid ? p.D : 0;
+  const T* xr = p.x + (valid ? row : 0) * p.x_stride;
+  const bool xv = aligned16(xr);
+  float v[VPT][N];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) load_n<N>(xr, (threadIdx.x + i * blockDim.x) * N, end, xv, -INFINITY, v[i]);
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) m = fmaxf(m, v[i][j]);
+  m = block_reduce_warp(m, Max{}, red);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) s += (v[i][j] = __expf(v[i][j] - m));
+  s = block_reduce_warp(s, Sum{}, red);
+  if (!valid) return;
+  const float inv = 1.f / s;
+  T* yr = p.y + row * p.D;
+  const bool yv = aligned16(yr);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[i][j] *= inv;
+    store_n<N>(yr, (threadIdx.x + i * blockDim.x) * N, p.D, yv, v[i]);
+  }
+}
+
+// Step 4 on a cluster (sm_90+; layout as rms_norm_fwd_cluster_kernel). Each block computes its slice's max m and
+// s = sum exp(x - m) and publishes (m, s); every block combines the C pairs, M = max m_q, S = sum s_q exp(m_q - M),
+// and writes exp(x - m) * exp(m - M) / S. A slice of only -inf (m = -inf) keeps exp(x - 0) = 0 and scale 0; a row of
+// only -inf gives S = NaN, hence NaN, as in PyTorch.
+template <typename T, int VPT>
+__global__ void __launch_bounds__(1024) softmax_fwd_cluster_kernel(const SoftmaxFwd<T> p, int slice) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int N = kVec<T>;
+  __shared__ float red[32];
+  __shared__ float2 part;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  const int64_t row = blockIdx.x / C;
+  const int begin = rank * slice, end = min(p.D, begin + slice);
+  const T* xr = p.x + row * p.x_stride;
+  const bool xv = aligned16(xr);
+  float v[VPT][N];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) load_n<N>(xr, begin + (threadIdx.x + i * blockDim.x) * N, end, xv, -INFINITY, v[i]);
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) m = fmaxf(m, v[i][j]);
+  m = block_reduce_warp(m, Max{}, red);
+  const float shift = m == -INFINITY ? 0.f : m;
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) s += (v[i][j] = __expf(v[i][j] - shift));
+  s = block_reduce_warp(s, Sum{}, red);
+  if (threadIdx.x == 0) part = make_float2(m, s);
+  cluster.sync();
+  float M = -INFINITY, S = 0.f;
+  for (int q = 0; q < C; ++q) M = fmaxf(M, cluster.map_shared_rank(&part, q)->x);
+  for (int q = 0; q < C; ++q) {
+    const float2 other = *cluster.map_shared_rank(&part, q);
+    S += other.y * __expf(other.x - M);
+  }
+  cluster.barrier_arrive();
+  const float scale = (m == -INFINITY ? 0.f : __expf(m - M)) / S;
+  T* yr = p.y + row * p.D;
+  const bool yv = aligned16(yr);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[i][j] *= scale;
+    store_n<N>(yr, begin + (threadIdx.x + i * blockDim.x) * N, end, yv, v[i]);
+  }
+  cluster.barrier_wait();
+#else
+  __trap();
+#endif
+}
+
+// Step 5. Online softmax, one block per row (grid: rows), 128-bit accesses: pass 1 keeps each thread's (max, sum)
+// and rescales the sum by exp(m_old - m_new) when the max grows, then the block combines the pairs; pass 2 reads x
+// again and writes exp(x - M) / S. Two reads of x at any width; no register limit on D.
+template <typename T, int N>
+__global__ void __launch_bounds__(1024) softmax_fwd_online_kernel(const SoftmaxFwd<T> p) {
+  __shared__ float2 red[32];
+  const int64_t row = blockIdx.x;
+  const T* xr = p.x + row * p.x_stride;
+  T* yr = p.y + row * p.D;
+  const bool xv = aligned16(xr), yv = aligned16(yr);
+  const int step = blockDim.x * N;
+  MaxSum ms{-INFINITY, 0.f};
+  for (int c = threadIdx.x * N; c < p.D; c += step) {
+    float f[N];
+    load_n<N>(xr, c, p.D, xv, -INFINITY, f);
+    float m_new = ms.m;
+#pragma unroll
+    for (int j = 0; j < N; ++j) m_new = fmaxf(m_new, f[j]);
+    if (m_new == -INFINITY) continue;  // only -inf so far: nothing to add
+    float add = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) add += __expf(f[j] - m_new);
+    ms.s = ms.s * __expf(ms.m - m_new) + add;
+    ms.m = m_new;
+  }
+  ms = block_reduce(ms, red);
+  const float inv = 1.f / ms.s;  // a row of only -inf: (m, s) = (-inf, 0), exp(NaN) * inf = NaN
+  for (int c = threadIdx.x * N; c < p.D; c += step) {
+    float f[N];
+    load_n<N>(xr, c, p.D, xv, -INFINITY, f);
+#pragma unroll
+    for (int j = 0; j < N; ++j) f[j] = __expf(f[j] - ms.m) * inv;
+    store_n<N>(yr, c, p.D, yv, f);
+  }
+}
+
+// =====================================================================================================================
+// RMSNorm backward: dx = r * g - x * (r^3 * mean(g * x)), g = w * dy, r = rstd;  dweight = sum_rows dy * x * r
+// =====================================================================================================================
+
+// Registers path (D <= 16,384). Persistent blocks of blockDim.x threads, block b taking rows [b * rows_per_block, ...).
+// Per row, each thread loads its VPT vectors of dy and x into registers (VPT * N <= 16 floats each), adds dy * x * r
+// to its float32 dweight partials, reduces sum(w * dy * x) and writes dx; w is re-read from L1. The partials live in
+// shared memory, not registers (a third row-sized array would spill): each thread owns kAcc = VPT * N + 4 floats at
+// acc + threadIdx.x * kAcc, read and written 128 bits at a time (the 4 floats of padding put the 8 threads of a
+// 128-bit access on distinct banks), touched by no other thread. At the end block b writes them to partial row b.
+// Dynamic shared memory: kAcc * blockDim.x floats.
+template <typename T, int VPT>
+__global__ void __launch_bounds__(1024) rms_norm_bwd_registers_kernel(const NormBwd<T> p) {
+  constexpr int N = kVec<T>, kAcc = VPT * N + 4;
+  __shared__ float red[32];
+  extern __shared__ float4 acc_smem[];
+  float4* acc = acc_smem + threadIdx.x * (kAcc / 4);  // element j of vector i: acc[(i * N + j) / 4], lane j % 4
+#pragma unroll
+  for (int q = 0; q < VPT * N / 4; ++q) acc[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const bool wv = aligned16(p.w);
+  const int64_t first = int64_t(blockIdx.x) * p.rows_per_block;
+  const int64_t last = min(p.rows, first + p.rows_per_block);
+  for (int64_t row = first; row < last; ++row) {
+    const T* dyr = p.dy + row * p.dy_stride;
+    const T* xr = p.x + row * p.x_stride;
+    const bool dyv = aligned16(dyr), xv = aligned16(xr);
+    const float r = p.rstd[row];
+    float g[VPT][N], xs[VPT][N];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int col = (threadIdx.x + i * blockDim.x) * N;
+      load_n<N>(dyr, col, p.D, dyv, 0.f, g[i]);
+      load_n<N>(xr, col, p.D, xv, 0.f, xs[i]);
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      float wf[N];
+      load_n<N>(p.w, (threadIdx.x + i * blockDim.x) * N, p.D, wv, 0.f, wf);
+#pragma unroll
+      for (int q = 0; q < N / 4; ++q) {
+        float4 a = acc[(i * N) / 4 + q];
+        const float* gq = &g[i][4 * q];
+        const float* xq = &xs[i][4 * q];
+        a.x += gq[0] * xq[0] * r;
+        a.y += gq[1] * xq[1] * r;
+        a.z += gq[2] * xq[2] * r;
+        a.w += gq[3] * xq[3] * r;
+        acc[(i * N) / 4 + q] = a;
+      }
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        g[i][j] *= wf[j];  // g = w * dy from here on
+        dot += g[i][j] * xs[i][j];
+      }
+    }
+    dot = block_reduce_warp(dot, Sum{}, red);
+    const float k = r * r * r * dot * p.inv_D;
+    T* dxr = p.dx + row * p.D;
+    const bool dxv = aligned16(dxr);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) g[i][j] = r * g[i][j] - k * xs[i][j];
+      store_n<N>(dxr, (threadIdx.x + i * blockDim.x) * N, p.D, dxv, g[i]);
+    }
+  }
+  float* pr = p.partial + int64_t(blockIdx.x) * p.D;
+  const float* own = reinterpret_cast<const float*>(acc);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int col = (threadIdx.x + i * blockDim.x) * N;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (col + j < p.D) pr[col + j] = own[i * N + j];
+  }
+}
+
+// Streaming path, kernel 1 of 2. One block per row (grid: rows): coef[row] = r^3 * mean(w * dy * x).
+template <typename T, int N>
+__global__ void __launch_bounds__(1024) rms_norm_bwd_coef_kernel(const NormBwd<T> p) {
+  __shared__ float red[32];
+  const int64_t row = blockIdx.x;
+  const T* dyr = p.dy + row * p.dy_stride;
+  const T* xr = p.x + row * p.x_stride;
+  const bool dyv = aligned16(dyr), xv = aligned16(xr), wv = aligned16(p.w);
+  float dot = 0.f;
+  for (int c = threadIdx.x * N; c < p.D; c += blockDim.x * N) {
+    float g[N], xs[N], wf[N];
+    load_n<N>(dyr, c, p.D, dyv, 0.f, g);
+    load_n<N>(xr, c, p.D, xv, 0.f, xs);
+    load_n<N>(p.w, c, p.D, wv, 0.f, wf);
+#pragma unroll
+    for (int j = 0; j < N; ++j) dot += g[j] * wf[j] * xs[j];
+  }
+  dot = block_reduce_warp(dot, Sum{}, red);
+  if (threadIdx.x == 0) {
+    const float r = p.rstd[row];
+    p.coef[row] = r * r * r * dot * p.inv_D;
+  }
+}
+
+// Streaming path, kernel 2 of 2. Grid (column tiles, row chunks): thread t of tile bx owns the N columns starting at
+// (bx * blockDim.x + t) * N and walks the rows [by * rows_per_block, ...): dx = r * w * dy - coef * x, and its dweight
+// partials in registers, written to partial row by at the end. Each row's tile is one contiguous segment per block.
+template <typename T, int N>
+__global__ void __launch_bounds__(256) rms_norm_bwd_columns_kernel(const NormBwd<T> p) {
+  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * N;
+  if (col >= p.D) return;  // no barriers in this kernel
+  const bool wv = aligned16(p.w);
+  float wf[N], acc[N];
+  load_n<N>(p.w, col, p.D, wv, 0.f, wf);
+#pragma unroll
+  for (int j = 0; j < N; ++j) acc[j] = 0.f;
+  const int64_t first = int64_t(blockIdx.y) * p.rows_per_block;
+  const int64_t last = min(p.rows, first + p.rows_per_block);
+  for (int64_t row = first; row < last; ++row) {
+    const T* dyr = p.dy + row * p.dy_stride;
+    const T* xr = p.x + row * p.x_stride;
+    T* dxr = p.dx + row * p.D;
+    float g[N], xs[N], out[N];
+    load_n<N>(dyr, col, p.D, aligned16(dyr), 0.f, g);
+    load_n<N>(xr, col, p.D, aligned16(xr), 0.f, xs);
+    const float r = p.rstd[row], k = p.coef[row];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      acc[j] += g[j] * xs[j] * r;
+      out[j] = r * (g[j] * wf[j]) - k * xs[j];
+    }
+    store_n<N>(dxr, col, p.D, aligned16(dxr), out);
+  }
+  float* pr = p.partial + int64_t(blockIdx.y) * p.D;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+    if (col + j < p.D) pr[col + j] = acc[j];
+}
+
+// dweight[c] = sum over partial rows of partial[q][c], in a fixed order. Block (32, 32): threadIdx.x a column (a warp
+// reads 128 contiguous bytes), threadIdx.y the partial rows y, y + 32, ...; the 32 sums then added in y order.
+// Grid: ceil(D / 32).
+__global__ void __launch_bounds__(1024) dweight_finish_kernel(const float* partial, int64_t n_partial, int D,
+                                                              float* dweight) {
+  __shared__ float sums[32][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float a = 0.f;
+  if (c < D)
+    for (int64_t q = threadIdx.y; q < n_partial; q += blockDim.y) a += partial[q * D + c];
+  sums[threadIdx.y][threadIdx.x] = a;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < D) {
+    float t = 0.f;
+    for (int i = 0; i < int(blockDim.y); ++i) t += sums[i][threadIdx.x];
+    dweight[c] = t;
+  }
+}
+
+// =====================================================================================================================
+// Softmax backward: dx = y * (dy - sum(dy * y))
+// =====================================================================================================================
+
+// Registers path (D <= 16,384): y and dy of a row held in registers (layout as the forward's), one read of each.
+template <typename T, int VPT>
+__global__ void __launch_bounds__(512) softmax_bwd_registers_kernel(const SoftmaxBwd<T> p) {
+  constexpr int N = kVec<T>;
+  __shared__ float red[kMaxRowsPerBlock * 32];
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool valid = row < p.rows;
+  const int end = valid ? p.D : 0;
+  const T* yr = p.y + (valid ? row : 0) * p.y_stride;
+  const T* dyr = p.dy + (valid ? row : 0) * p.dy_stride;
+  const bool yv = aligned16(yr), dyv = aligned16(dyr);
+  float ys[VPT][N], g[VPT][N];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int col = (threadIdx.x + i * blockDim.x) * N;
+    load_n<N>(yr, col, end, yv, 0.f, ys[i]);
+    load_n<N>(dyr, col, end, dyv, 0.f, g[i]);
+  }
+  float dot = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) dot += ys[i][j] * g[i][j];
+  dot = block_reduce_warp(dot, Sum{}, red);
+  if (!valid) return;
+  T* dxr = p.dx + row * p.D;
+  const bool dxv = aligned16(dxr);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) g[i][j] = ys[i][j] * (g[i][j] - dot);
+    store_n<N>(dxr, (threadIdx.x + i * blockDim.x) * N, p.D, dxv, g[i]);
+  }
+}
+
+// Wide rows: one block per row (grid: rows), 128-bit accesses, the dot product then the output (y, dy read twice).
+template <typename T, int N>
+__global__ void __launch_bounds__(1024) softmax_bwd_rows_kernel(const SoftmaxBwd<T> p) {
+  __shared__ float red[32];
+  const int64_t row = blockIdx.x;
+  const T* yr = p.y + row * p.y_stride;
+  const T* dyr = p.dy + row * p.dy_stride;
+  T* dxr = p.dx + row * p.D;
+  const bool yv = aligned16(yr), dyv = aligned16(dyr), dxv = aligned16(dxr);
+  const int step = blockDim.x * N;
+  float dot = 0.f;
+  for (int c = threadIdx.x * N; c < p.D; c += step) {
+    float ys[N], g[N];
+    load_n<N>(yr, c, p.D, yv, 0.f, ys);
+    load_n<N>(dyr, c, p.D, dyv, 0.f, g);
+#pragma unroll
+    for (int j = 0; j < N; ++j) dot += ys[j] * g[j];
+  }
+  dot = block_reduce_warp(dot, Sum{}, red);
+  for (int c = threadIdx.x * N; c < p.D; c += step) {
+    float ys[N], g[N];
+    load_n<N>(yr, c, p.D, yv, 0.f, ys);
+    load_n<N>(dyr, c, p.D, dyv, 0.f, g);
+#pragma unroll
+    for (int j = 0; j < N; ++j) g[j] = ys[j] * (g[j] - dot);
+    store_n<N>(dxr, c, p.D, dxv, g);
+  }
+}
+
+// =====================================================================================================================
+// Host: launch configurations
+// =====================================================================================================================
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+int next_pow2(int64_t n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// Threads per row for the strided kernels (steps 1-3, online, the wide backward): a power of two (the tree needs
+// one) between 32 and max_threads, about one access of N elements per thread.
+int strided_threads(int D, int N, int max_threads) {
+  return std::max(32, std::min(max_threads, next_pow2(ceil_div(D, N))));
+}
+
+// Registers layout: VPT vectors per thread, `threads` per row (a multiple of 32) and rows per block. The smallest VPT
+// in 1, 2, 4, 8 with at most 128 * VPT threads (enough work per thread to amortize the reduction), else the one with
+// the fewest threads under max_threads; VPT * N <= max_values. vpt == 0: the row does not fit.
+struct RegConfig {
+  int vpt = 0, threads = 0, rows_per_block = 1;
+};
+RegConfig reg_config(int64_t D, int N, int max_threads, int max_values = kMaxValues) {
+  const int64_t nvec = ceil_div(D, N);
+  RegConfig cfg;
+  for (int vpt = 1; vpt * N <= max_values; vpt *= 2) {
+    const int64_t threads = round_up(ceil_div(nvec, vpt), 32);
+    if (threads > max_threads) continue;
+    cfg.vpt = vpt;
+    cfg.threads = int(threads);
+    cfg.rows_per_block = int(std::max<int64_t>(1, std::min<int64_t>(kMaxRowsPerBlock, 128 / threads)));
+    if (threads <= 128 * vpt) break;
+  }
+  return cfg;
+}
+
+// Calls f(std::integral_constant<int, vpt>) for a runtime vpt: each VPT is its own kernel instantiation.
+template <class F>
+void with_vpt(int vpt, F&& f) {
+  switch (vpt) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: TORCH_CHECK(false, "kernel_lib_cuda: internal error: no kernel for ", vpt, " vectors per thread");
+  }
+}
+
+int sm_count() {
+  int dev = 0, n = 0;
+  KL_CUDA_CHECK(cudaGetDevice(&dev), "cudaGetDevice");
+  KL_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  return n;
+}
+
+// Cluster split: C blocks per row, `slice` columns each (a multiple of N), and each block's registers layout.
+struct ClusterConfig {
+  int cluster = 0, slice = 0;
+  RegConfig reg;
+};
+ClusterConfig cluster_config(int D, int N) {
+  for (const int limit : {kBestOneBlockMaxD, 2 * kBestOneBlockMaxD}) {
+    for (int c = 2; c <= kClusterMax; c *= 2) {
+      const int slice = int(round_up(ceil_div(D, c), N));
+      if (slice > limit) continue;
+      const RegConfig reg = reg_config(slice, N, 1024);
+      if (reg.vpt > 0) return {c, slice, reg};
+    }
+  }
+  return {};
+}
+
+cudaLaunchConfig_t cluster_launch_config(int64_t blocks, int threads, int cluster, cudaStream_t stream,
+                                         cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Whether `kernel` can run as clusters of `cluster` blocks of `threads` here: the device supports cluster launch,
+// the kernel's binary is for sm_90+ (not a PTX/SASS fallback whose body is __trap()), and at least one such cluster
+// fits on the GPU. Host-side queries only: nothing is enqueued, so this is fine during graph capture.
+template <typename Kernel>
+bool can_launch_cluster(Kernel kernel, int cluster, int threads) {
+  int dev = 0, has = 0, active = 0;
+  cudaFuncAttributes attr{};
+  cudaLaunchAttribute launch_attr[1];
+  const cudaLaunchConfig_t cfg = cluster_launch_config(cluster, threads, cluster, nullptr, launch_attr);
+  const bool ok = cudaGetDevice(&dev) == cudaSuccess &&
+                  cudaDeviceGetAttribute(&has, cudaDevAttrClusterLaunch, dev) == cudaSuccess && has &&
+                  cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
+                  cudaOccupancyMaxActiveClusters(&active, kernel, &cfg) == cudaSuccess && active > 0;
+  if (!ok) (void)cudaGetLastError();  // a failed query is an answer (no), not an error for the next launch to report
+  return ok;
+}
+
+// =====================================================================================================================
+// Host: per-dtype launchers
+// =====================================================================================================================
+
+// Rows in registers, one block per 1-4 rows. kernel_for(std::integral_constant<int, VPT>) names the instantiation;
+// VPT * N <= MaxValues. False if a row does not fit in max_threads threads.
+template <int MaxValues, typename T, typename P, typename KernelFor>
+bool launch_registers(const P& p, int max_threads, KernelFor kernel_for, const char* name, cudaStream_t stream) {
+  const RegConfig cfg = reg_config(p.D, kVec<T>, max_threads, MaxValues);
+  if (cfg.vpt == 0) return false;
+  with_vpt(cfg.vpt, [&](auto vpt) {
+    if constexpr (decltype(vpt)::value * kVec<T> <= MaxValues) {
+      const dim3 block(cfg.threads, cfg.rows_per_block);
+      kernel_for(vpt)<<<unsigned(ceil_div(p.rows, cfg.rows_per_block)), block, 0, stream>>>(p);
+      KL_LAUNCH_CHECK(name);
+    }
+  });
+  return true;
+}
+
+// Rows in the registers of a cluster of blocks (Hopper). False if the width, the device or the binary rules it out.
+template <typename T, typename P, typename KernelFor>
+bool launch_cluster(const P& p, KernelFor kernel_for, const char* name, cudaStream_t stream) {
+  const ClusterConfig cc = cluster_config(p.D, kVec<T>);
+  if (cc.cluster == 0 || p.rows * cc.cluster > std::numeric_limits<int>::max()) return false;
+  bool launched = false;
+  with_vpt(cc.reg.vpt, [&](auto vpt) {
+    if constexpr (decltype(vpt)::value * kVec<T> <= kMaxValues) {
+      const auto kernel = kernel_for(vpt);
+      if (!can_launch_cluster(kernel, cc.cluster, cc.reg.threads)) return;
+      cudaLaunchAttribute attr[1];
+      const cudaLaunchConfig_t cfg =
+          cluster_launch_config(p.rows * cc.cluster, cc.reg.threads, cc.cluster, stream, attr);
+      KL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, cc.slice), name);
+      KL_LAUNCH_CHECK(name);
+      launched = true;
+    }
+  });
+  return launched;
+}
+
+// The registers step of both forward ops (kRegisters, and kBest's choice among the one-pass kernels; see the top of
+// the file). False if none applies: the caller runs its two-pass kernel.
+template <typename T, typename P, typename RegFor, typename ClusterFor>
+bool launch_one_pass(const P& p, int64_t variant, RegFor reg_for, ClusterFor cluster_for, const char* reg_name,
+                     const char* cluster_name, cudaStream_t stream) {
+  const int one_block_max = variant == kBest ? kBestOneBlockMaxD : kOneBlockMaxD;
+  if (p.D <= one_block_max && launch_registers<kMaxValues, T>(p, 1024, reg_for, reg_name, stream)) return true;
+  if (launch_cluster<T>(p, cluster_for, cluster_name, stream)) return true;
+  return p.D <= kOneBlockMaxD && launch_registers<kMaxValues, T>(p, 1024, reg_for, reg_name, stream);
+}
+
+// Steps 1-3 (one block per row, threads striding along it). Dynamic shared memory for the tree's reduction.
+template <typename Kernel, typename P>
+void launch_rows(Kernel kernel, const P& p, int N, const char* name, cudaStream_t stream) {
+  const int threads = strided_threads(p.D, N, 512);
+  kernel<<<unsigned(p.rows), threads, sizeof(float) * std::max(threads, 32), stream>>>(p);
+  KL_LAUNCH_CHECK(name);
+}
+
+template <typename T>
+void rms_norm_fwd_typed(const NormFwd<T>& p, int64_t variant, cudaStream_t stream) {
+  constexpr int N = kVec<T>;
+  const auto vectorized = rms_norm_fwd_rows_kernel<T, Reduce::kWarp, N>;
+  switch (variant) {
+    case kNaive:
+      rms_norm_fwd_naive_kernel<T><<<unsigned(ceil_div(p.rows, 128)), 128, 0, stream>>>(p);
+      KL_LAUNCH_CHECK("rms_norm_fwd_naive");
+      return;
+    case kBlockShared:
+      return launch_rows(rms_norm_fwd_rows_kernel<T, Reduce::kTree, 1>, p, 1, "rms_norm_fwd_block_shared", stream);
+    case kWarpShuffle:
+      return launch_rows(rms_norm_fwd_rows_kernel<T, Reduce::kWarp, 1>, p, 1, "rms_norm_fwd_warp_shuffle", stream);
+    case kVectorized:
+    case kOnline: return launch_rows(vectorized, p, N, "rms_norm_fwd_vectorized", stream);
+    default:  // kRegisters, kBest
+      const auto reg_for = [](auto vpt) { return rms_norm_fwd_registers_kernel<T, decltype(vpt)::value>; };
+      const auto cluster_for = [](auto vpt) { return rms_norm_fwd_cluster_kernel<T, decltype(vpt)::value>; };
+      if (launch_one_pass<T>(p, variant, reg_for, cluster_for, "rms_norm_fwd_registers", "rms_norm_fwd_cluster",
+                             stream))
+        return;
+      return launch_rows(vectorized, p, N, "rms_norm_fwd_vectorized", stream);
+  }
+}
+
+template <typename T>
+void launch_softmax_fwd_online(const SoftmaxFwd<T>& p, cudaStream_t stream) {
+  // Up to 1024 threads, two vectors each: fewer rows in flight between the passes, so the second read hits L2.
+  const int threads = strided_threads(p.D, 2 * kVec<T>, 1024);
+  softmax_fwd_online_kernel<T, kVec<T>><<<unsigned(p.rows), threads, 0, stream>>>(p);
+  KL_LAUNCH_CHECK("softmax_fwd_online");
+}
+
+template <typename T>
+void softmax_fwd_typed(const SoftmaxFwd<T>& p, int64_t variant, cudaStream_t stream) {
+  constexpr int N = kVec<T>;
+  switch (variant) {
+    case kNaive:
+      softmax_fwd_naive_kernel<T><<<unsigned(ceil_div(p.rows, 128)), 128, 0, stream>>>(p);
+      KL_LAUNCH_CHECK("softmax_fwd_naive");
+      return;
+    case kBlockShared:
+      return launch_rows(softmax_fwd_rows_kernel<T, Reduce::kTree, 1>, p, 1, "softmax_fwd_block_shared", stream);
+    case kWarpShuffle:
+      return launch_rows(softmax_fwd_rows_kernel<T, Reduce::kWarp, 1>, p, 1, "softmax_fwd_warp_shuffle", stream);
+    case kVectorized:
+      return launch_rows(softmax_fwd_rows_kernel<T, Reduce::kWarp, N>, p, N, "softmax_fwd_vectorized", stream);
+    case kOnline: return launch_softmax_fwd_online(p, stream);
+    default:  // kRegisters, kBest
+      const auto reg_for = [](auto vpt) { return softmax_fwd_registers_kernel<T, decltype(vpt)::value>; };
+      const auto cluster_for = [](auto vpt) { return softmax_fwd_cluster_kernel<T, decltype(vpt)::value>; };
+      if (launch_one_pass<T>(p, variant, reg_for, cluster_for, "softmax_fwd_registers", "softmax_fwd_cluster", stream))
+        return;
+      return launch_softmax_fwd_online(p, stream);
+  }
+}
+
+// RMSNorm backward: the dx kernels write p.partial (allocated here), then dweight_finish_kernel sums it into dweight.
+template <typename T>
+void rms_norm_bwd_typed(NormBwd<T> p, float* dweight, const at::TensorOptions& f32, int64_t variant,
+                        cudaStream_t stream) {
+  constexpr int N = kVec<T>;
+  at::Tensor partial;  // (n_partial, D) float32, alive until the finish kernel is enqueued (stream-ordered reuse)
+  int64_t n_partial = 0;
+  const RegConfig cfg = reg_config(p.D, N, 1024, kNormBwdMaxValues);
+  if ((variant == kRegisters || variant == kBest) && p.D <= kBwdRegMaxD && cfg.vpt > 0) {
+    with_vpt(cfg.vpt, [&](auto vpt) {
+      constexpr int VPT = decltype(vpt)::value;
+      if constexpr (VPT * kVec<T> <= kNormBwdMaxValues) {
+        auto kernel = rms_norm_bwd_registers_kernel<T, VPT>;
+        const int smem = int(sizeof(float)) * (VPT * N + 4) * cfg.threads;  // the dweight partials, <= 80 KiB
+        if (smem > 48 * 1024)
+          KL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                        "cudaFuncSetAttribute(rms_norm_bwd_registers)");
+        int per_sm = 0;  // persistent: as many blocks as fit at once, at most 8 per SM (fewer partial rows)
+        KL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cfg.threads, smem),
+                      "cudaOccupancyMaxActiveBlocksPerMultiprocessor(rms_norm_bwd_registers)");
+        const int64_t blocks = std::min<int64_t>(p.rows, int64_t(sm_count()) * std::clamp(per_sm, 1, 8));
+        p.rows_per_block = ceil_div(p.rows, blocks);
+        n_partial = ceil_div(p.rows, p.rows_per_block);
+        partial = at::empty({n_partial, p.D}, f32);
+        p.partial = partial.data_ptr<float>();
+        kernel<<<unsigned(n_partial), cfg.threads, smem, stream>>>(p);
+        KL_LAUNCH_CHECK("rms_norm_bwd_registers");
+      }
+    });
+  } else {
+    at::Tensor coef = at::empty({p.rows}, f32);
+    p.coef = coef.data_ptr<float>();
+    rms_norm_bwd_coef_kernel<T, N><<<unsigned(p.rows), strided_threads(p.D, N, 512), 0, stream>>>(p);
+    KL_LAUNCH_CHECK("rms_norm_bwd_coef");
+    const int threads = int(std::min<int64_t>(256, round_up(ceil_div(p.D, N), 32)));
+    const int64_t tiles = ceil_div(ceil_div(p.D, N), threads);
+    // Row chunks: about 8 blocks per SM in all, each chunk adding one partial row.
+    const int64_t chunks =
+        std::clamp<int64_t>(ceil_div(int64_t(sm_count()) * 8, tiles), 1, std::min<int64_t>(p.rows, 65535));
+    p.rows_per_block = ceil_div(p.rows, chunks);
+    n_partial = ceil_div(p.rows, p.rows_per_block);
+    partial = at::empty({n_partial, p.D}, f32);
+    p.partial = partial.data_ptr<float>();
+    rms_norm_bwd_columns_kernel<T, N><<<dim3(unsigned(tiles), unsigned(n_partial)), threads, 0, stream>>>(p);
+    KL_LAUNCH_CHECK("rms_norm_bwd_columns");
+  }
+  TORCH_INTERNAL_ASSERT(n_partial > 0 && p.partial != nullptr, "rms_norm_bwd: no dweight partials were written");
+  dweight_finish_kernel<<<unsigned(ceil_div(p.D, 32)), dim3(32, 32), 0, stream>>>(p.partial, n_partial, p.D, dweight);
+  KL_LAUNCH_CHECK("rms_norm_bwd_dweight_finish");
+}
+
+template <typename T>
+void softmax_bwd_typed(const SoftmaxBwd<T>& p, cudaStream_t stream) {
+  const auto reg_for = [](auto vpt) { return softmax_bwd_registers_kernel<T, decltype(vpt)::value>; };
+  if (p.D <= kBwdRegMaxD && launch_registers<kMaxValues, T>(p, 512, reg_for, "softmax_bwd_registers", stream)) return;
+  softmax_bwd_rows_kernel<T, kVec<T>><<<unsigned(p.rows), strided_threads(p.D, kVec<T>, 1024), 0, stream>>>(p);
+  KL_LAUNCH_CHECK("softmax_bwd_rows");
+}
+
+// =====================================================================================================================
+// Host: argument checks (each names the function, the argument and the rule)
+// =====================================================================================================================
+void check_variant(const char* fn, int64_t variant) {
+  TORCH_CHECK(variant >= kBest && variant <= kOnline, fn, ": variant must be -1 (best) or 0-5 (naive, block_shared, ",
+              "warp_shuffle, vectorized, registers, online), got ", variant);
+}
+
+void check_rows(const char* fn, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), fn, ": ", name, " must be a defined tensor");
+  TORCH_CHECK(t.is_cuda(), fn, ": ", name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.dim() == 2, fn, ": ", name, " must be 2-D (rows, D), got ", t.dim(), " dimensions");
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, fn, ": ", name,
+              " must have unit stride along its last dim, got stride ", t.stride(1));
+  const auto dt = t.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, fn, ": ", name,
+              " must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK(t.size(1) <= kMaxD, fn, ": ", name, " has rows of ", t.size(1), " elements, more than the ", kMaxD,
+              " supported");
+  TORCH_CHECK(t.size(0) <= std::numeric_limits<int>::max(), fn, ": ", name, " has ", t.size(0),
+              " rows, more than the 2^31 - 1 supported");
+}
+
+void check_like(const char* fn, const char* name, const at::Tensor& t, const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK(t.defined(), fn, ": ", name, " must be a defined tensor");
+  TORCH_CHECK(t.device() == ref.device(), fn, ": ", name, " must be on ", ref_name, "'s device ", ref.device(),
+              ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), fn, ": ", name, " must have ", ref_name, "'s dtype ",
+              ref.scalar_type(), ", got ", t.scalar_type());
+}
+
+// A tensor the kernels index as dense: `shape`, contiguous, on ref's device, of dtype `dtype`.
+void check_dense(const char* fn, const char* name, const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype,
+                 const at::Tensor& ref) {
+  TORCH_CHECK(t.defined(), fn, ": ", name, " must be a defined tensor");
+  TORCH_CHECK(t.device() == ref.device(), fn, ": ", name, " must be on the device ", ref.device(), ", got ",
+              t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, fn, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, fn, ": ", name, " must have shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), fn, ": ", name, " must be contiguous, got strides ", t.strides());
+}
+
+}  // namespace
+
+// =====================================================================================================================
+// The interface (kernels.h)
+// =====================================================================================================================
+const char* variant_name(int64_t variant) {
+  switch (variant) {
+    case kNaive: return "naive";
+    case kBlockShared: return "block_shared";
+    case kWarpShuffle: return "warp_shuffle";
+    case kVectorized: return "vectorized";
+    case kRegisters: return "registers";
+    case kOnline: return "online";
+    case kBest: return "best";
+    default: return "unknown";
+  }
+}
+
+void rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y, at::Tensor& rstd,
+                  int64_t variant) {
+  const char* fn = "rms_norm_fwd";
+  check_variant(fn, variant);
+  check_rows(fn, "x", x);
+  const int64_t rows = x.size(0), D = x.size(1);
+  check_dense(fn, "weight", weight, {D}, x.scalar_type(), x);
+  check_dense(fn, "y", y, {rows, D}, x.scalar_type(), x);
+  check_dense(fn, "rstd", rstd, {rows}, at::kFloat, x);
+  TORCH_CHECK(eps >= 0, fn, ": eps must be >= 0, got ", eps);
+  if (rows == 0) return;
+  if (D == 0) {  // the mean of no squares is NaN, as in PyTorch; y is empty
+    rstd.fill_(std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  KL_DISPATCH(x.scalar_type(), "rms_norm_fwd", [&] {
+    const NormFwd<scalar_t> p{x.const_data_ptr<scalar_t>(), x.stride(0), weight.const_data_ptr<scalar_t>(),
+                              y.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows, int(D),
+                              float(1.0 / double(D)), float(eps)};
+    rms_norm_fwd_typed(p, variant, stream);
+  });
+}
+
+void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
+                  at::Tensor& dx, at::Tensor& dweight, int64_t variant) {
+  const char* fn = "rms_norm_bwd";
+  check_variant(fn, variant);
+  check_rows(fn, "x", x);
+  check_rows(fn, "dy", dy);
+  check_like(fn, "dy", dy, "x", x);
+  TORCH_CHECK(dy.sizes() == x.sizes(), fn, ": dy must have x's shape ", x.sizes(), ", got ", dy.sizes());
+  const int64_t rows = x.size(0), D = x.size(1);
+  check_dense(fn, "weight", weight, {D}, x.scalar_type(), x);
+  check_dense(fn, "rstd", rstd, {rows}, at::kFloat, x);
+  check_dense(fn, "dx", dx, {rows, D}, x.scalar_type(), x);
+  check_dense(fn, "dweight", dweight, {D}, at::kFloat, x);
+  if (D == 0) return;
+  if (rows == 0) {  // a sum over no rows
+    dweight.zero_();
+    return;
+  }
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::TensorOptions f32 = x.options().dtype(at::kFloat);
+  KL_DISPATCH(x.scalar_type(), "rms_norm_bwd", [&] {
+    const NormBwd<scalar_t> p{dy.const_data_ptr<scalar_t>(), dy.stride(0), x.const_data_ptr<scalar_t>(), x.stride(0),
+                              weight.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(), dx.data_ptr<scalar_t>(),
+                              nullptr, nullptr, rows, int(D), float(1.0 / double(D)), 0};
+    rms_norm_bwd_typed(p, dweight.data_ptr<float>(), f32, variant, stream);
+  });
+}
+
+void softmax_fwd(const at::Tensor& x, at::Tensor& y, int64_t variant) {
+  const char* fn = "softmax_fwd";
+  check_variant(fn, variant);
+  check_rows(fn, "x", x);
+  const int64_t rows = x.size(0), D = x.size(1);
+  check_dense(fn, "y", y, {rows, D}, x.scalar_type(), x);
+  if (rows == 0 || D == 0) return;
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  KL_DISPATCH(x.scalar_type(), "softmax_fwd", [&] {
+    const SoftmaxFwd<scalar_t> p{x.const_data_ptr<scalar_t>(), x.stride(0), y.data_ptr<scalar_t>(), rows, int(D)};
+    softmax_fwd_typed(p, variant, stream);
+  });
+}
+
+void softmax_bwd(const at::Tensor& y, const at::Tensor& dy, at::Tensor& dx) {
+  const char* fn = "softmax_bwd";
+  check_rows(fn, "y", y);
+  check_rows(fn, "dy", dy);
+  check_like(fn, "dy", dy, "y", y);
+  TORCH_CHECK(dy.sizes() == y.sizes(), fn, ": dy must have y's shape ", y.sizes(), ", got ", dy.sizes());
+  const int64_t rows = y.size(0), D = y.size(1);
+  check_dense(fn, "dx", dx, {rows, D}, y.scalar_type(), y);
+  if (rows == 0 || D == 0) return;
+  const c10::cuda::OptionalCUDAGuard guard(y.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  KL_DISPATCH(y.scalar_type(), "softmax_bwd", [&] {
+    const SoftmaxBwd<scalar_t> p{y.const_data_ptr<scalar_t>(), y.stride(0), dy.const_data_ptr<scalar_t>(), dy.stride(0),
+                                 dx.data_ptr<scalar_t>(), rows, int(D)};
+    softmax_bwd_typed(p, stream);
+  });
+}
+
+}  // namespace kernel_lib_cuda
