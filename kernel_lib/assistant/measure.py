@@ -125,6 +125,9 @@ def profile_step(model, args, kwargs, *, train: bool = True, steps: int = 3) -> 
             fn()
         torch.cuda.synchronize(device)
         wall = (time.perf_counter() - start) * 1e3 / steps
+    if train:
+        for p in model.parameters():
+            p.grad = None  # the profile leaves the reader's model as it found it
     kernels = [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     per_name: dict[str, list[float]] = {}
     for e in kernels:
