@@ -96,7 +96,7 @@ def print_profile(name, model, inputs):
     p = profile_step(model, inputs, {})
     if p is None:
         return
-    print(f"{name}: {p.kernels_per_step} kernels, GPU busy {p.device_ms:.2f} of {p.wall_ms:.2f} ms per step")
+    print(f"{name}: {p.kernels_per_step} kernels, GPU busy {p.busy_ms:.2f} of {p.wall_ms:.2f} ms per step")
     for kernel, ms, calls in p.top[:8]:
         print(f"    {ms:8.3f} ms  {calls:5d} x  {kernel[:110]}")
 

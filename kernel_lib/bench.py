@@ -243,6 +243,102 @@ def graph_ms(
     return time_fn(replay, device=device, **timing_kwargs).median_ms / repeats
 
 
+@dataclass
+class StepCost:
+    """What one training (or inference) step costs: :func:`step_cost`'s result."""
+
+    ms: float  # median step time
+    spread: float  # (p80 - p20) / median
+    first_ms: float  # the first call alone: compilation, CUDA-graph capture, autotuning, optimizer states
+    peak_bytes: float  # peak allocated above what was allocated before the first call (nan on the CPU)
+    timer: str = "cuda-events"
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / 2**30
+
+
+def step_cost(step: Callable[[], object], device=None, warmup_ms: float = 100, rep_ms: float = 500) -> StepCost:
+    """Time a whole step (:func:`time_fn`, median, no L2 wipe: a step reads far more than the L2 holds) after
+    timing its first call alone, and read its peak memory.
+
+    The peak is CUDA's max_memory_allocated over the first call and the timed ones, minus what was allocated before
+    the first call (weights, inputs): gradients, optimizer states, activations, temporaries and, under CUDA graphs,
+    their memory pool. The first call counts because a graph's pool is allocated while it is captured.
+    """
+    device = torch.device(device) if device is not None else torch.device(_default_device())
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    first_ms = (time.perf_counter() - start) * 1e3
+    timing = time_fn(step, warmup_ms=warmup_ms, rep_ms=rep_ms, flush_l2=False, device=device.type)
+    peak = float(torch.cuda.max_memory_allocated(device) - base) if cuda else math.nan
+    return StepCost(timing.median_ms, timing.spread, first_ms, peak, timing.timer)
+
+
+@dataclass
+class KernelProfile:
+    """Where a step's time goes: :func:`profile_kernels`' result."""
+
+    by_name: dict[str, tuple[float, int]]  # kernel (GPU) or operator (CPU) -> (ms per step, calls per step)
+    busy_ms: float  # GPU time in kernels per step (nan on the CPU)
+    wall_ms: float  # host time per step, under the profiler
+    kernels_per_step: int
+    clock: str  # "gpu kernels" or "cpu operators (self time)"
+
+    @property
+    def busy(self) -> float:
+        """Share of the step the GPU spends running kernels (1.0: it never waits for the host)."""
+        return self.busy_ms / self.wall_ms if self.wall_ms > 0 else math.nan
+
+    @property
+    def top(self) -> list[tuple[str, float, int]]:
+        """(name, ms per step, calls per step), the most expensive first."""
+        return sorted(((n, ms, c) for n, (ms, c) in self.by_name.items()), key=lambda row: -row[1])
+
+
+def profile_kernels(step: Callable[[], object], device=None, steps: int = 3) -> KernelProfile:
+    """Profile ``steps`` calls of ``step`` with torch.profiler, after one untimed call.
+
+    On a GPU each kernel's own span counts, so ``busy_ms`` is the time the GPU ran kernels and ``wall_ms - busy_ms``
+    the time it waited (for the host, mostly). The profiler adds host time per operator, so ``wall_ms`` is longer
+    than a step timed without it. On the CPU there are no kernels: the operators' self time stands in.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device) if device is not None else torch.device(_default_device())
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    step()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    spans: dict[str, list[float]] = {}
+    if cuda:
+        for event in prof.events():
+            if getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA:
+                spans.setdefault(event.name, []).append(event.time_range.elapsed_us())  # the kernel's own span
+    else:
+        for event in prof.key_averages():
+            if event.self_cpu_time_total > 0:
+                spans[event.key] = [event.self_cpu_time_total] + [0.0] * (event.count - 1)
+    by_name = {name: (sum(v) / 1e3 / steps, len(v) // steps) for name, v in spans.items()}
+    busy = sum(ms for ms, _ in by_name.values()) if cuda else math.nan
+    count = sum(len(v) for v in spans.values()) // steps
+    return KernelProfile(by_name, busy, wall_ms, count, "gpu kernels" if cuda else "cpu operators (self time)")
+
+
 def gbps(nbytes: float, ms: float) -> float:
     """Throughput in GB/s (1e9 bytes per second) of moving ``nbytes`` in ``ms`` milliseconds."""
     return nbytes / (ms * 1e-3) / 1e9

@@ -1,6 +1,7 @@
 """kernel_lib.bench: timing, ceilings, CSV rows and plots."""
 
 import csv
+import math
 import time
 
 import pytest
@@ -279,3 +280,17 @@ def test_host_and_graph_ms_on_gpu():
     x = torch.zeros(2**20, device="cuda")
     assert 0 < bench.host_ms(lambda: x.add_(1.0), reps=50) < 5  # one launch: microseconds, not milliseconds
     assert 0 < bench.graph_ms(lambda: x.add_(1.0), repeats=10, flush_l2=False) < 1
+
+
+def test_step_cost_and_kernel_profile_on_the_cpu():
+    # the one timer and profiler every whole-step measurement uses (the assistant, the capstone)
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def step():
+        (torch.randn(32, 64) @ w).square().mean().backward()
+
+    cost = bench.step_cost(step, "cpu", warmup_ms=1, rep_ms=5)
+    assert cost.ms > 0 and cost.first_ms > 0 and math.isnan(cost.peak_bytes) and cost.timer == "cpu-perf-counter"
+    prof = bench.profile_kernels(step, "cpu", steps=2)
+    assert prof.clock.startswith("cpu") and math.isnan(prof.busy_ms) and prof.kernels_per_step > 0
+    assert any("mm" in name for name, _, _ in prof.top)

@@ -209,10 +209,10 @@ class CompilerOptimizationAssistant:
         return {
             "measured_on": "cuda",
             "kernels_per_step": p.kernels_per_step,
-            "device_ms": p.device_ms,
+            "device_ms": p.busy_ms,
             "wall_ms": p.wall_ms,
             "gpu_busy": p.busy,
-            "top_kernels": p.top,
+            "top_kernels": p.top[:10],
         }
 
     # ---- validating and timing -------------------------------------------------------------------------------

@@ -464,7 +464,7 @@ def launches(trace: Trace, profile: Profile | None, compiled: bool) -> list[Find
                     kind="small_launches",
                     location="(model)",
                     evidence=f"{profile.kernels_per_step:,} kernels per step; the GPU is busy "
-                    f"{profile.device_ms:,.2f} ms of a {profile.wall_ms:,.2f} ms step ({profile.busy:.0%})",
+                    f"{profile.busy_ms:,.2f} ms of a {profile.wall_ms:,.2f} ms step ({profile.busy:.0%})",
                     data={"measured": True},
                 )
             ]

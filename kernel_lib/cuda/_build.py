@@ -6,8 +6,9 @@ operators when loaded. The build folder's name is a hash of the sources, torch's
 architecture, under ``~/.cache/kernel_lib/cuda`` (``KERNEL_LIB_CUDA_CACHE`` overrides it): a second process, or
 a second notebook run, finds the library and loads it without compiling (ninja sees nothing to do).
 
-Architecture: the device's own, ``sm_90a`` on Hopper (the ``a`` suffix unlocks the architecture-specific
-instructions that cluster launches and distributed shared memory need), ``sm_XY`` otherwise.
+Architecture: the device's own, ``sm_XY``. Thread-block clusters and distributed shared memory, which the
+wide-row kernels use on Hopper, are part of ``sm_90``; the ``sm_90a`` target (wgmma, setmaxnreg) would tie the
+library to Hopper exactly, for instructions these kernels do not use.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _INFO: BuildInfo | None = None
 
 def _cuda_arch() -> str:
     major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+    return f"sm_{major}{minor}"
 
 
 def _can_build_cuda() -> bool:
@@ -65,7 +66,8 @@ def load(verbose: bool = False) -> BuildInfo:
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cpp", ".cu", ".h", ".cuh"):
             digest.update(path.name.encode() + path.read_bytes())
-    digest.update(f"{torch.__version__}|{arch}".encode())
+    # the folder's ninja file names the sources by absolute path: two checkouts must not share (and rebuild) one
+    digest.update(f"{torch.__version__}|{arch}|{CSRC.resolve()}".encode())
     name = f"kernel_lib_cuda_{digest.hexdigest()[:12]}"
     root = Path(os.environ.get("KERNEL_LIB_CUDA_CACHE", Path.home() / ".cache" / "kernel_lib" / "cuda"))
     build = root / name

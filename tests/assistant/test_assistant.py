@@ -97,7 +97,7 @@ class _FakeCosts:
             * self.table.get("FusedGatedMLP", 1.0) ** ("FusedGatedMLP" in types)
             * self.table.get("RMSNorm", 1.0) ** ("RMSNorm" in types)
         )
-        return measure.StepCost(ms, 0.0, float("nan"), "fake")
+        return measure.StepCost(ms=ms, spread=0.0, first_ms=ms, peak_bytes=float("nan"), timer="fake")
 
 
 class _Both(torch.nn.Module):
