@@ -235,3 +235,42 @@ def test_zoo_models(model, inputs, kind):
     result = CompilerOptimizationAssistant(progress=False).optimize_model(model, inputs, techniques=MODULE_FIXES)
     f = next(o for o in result.optimization_opportunities if o.kind == kind)
     assert f.technique == "" and "no automatic rewrite" in f.note
+
+
+class _StandInCompiled(torch.nn.Module):
+    """Stands in for torch.compile's wrapper (a real compile costs a minute on this CPU): the rule under test is
+    the combining, which only sees that the compile fix wrapped the model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def test_a_fix_dropped_eagerly_is_tried_again_once_compiled(monkeypatch):
+    from kernel_lib.assistant import rewrites
+
+    monkeypatch.setitem(rewrites.REWRITES, "compile", (lambda m, f: _StandInCompiled(m), "wrap", 3))
+
+    def cost(model, args, kwargs):  # the fused MLP is slower eagerly (host-bound) and twice as fast compiled
+        types = {type(m).__name__ for m in model.modules()}
+        compiled = "_StandInCompiled" in types
+        ms = 10.0 * (0.6 if compiled else 1.0)
+        if "FusedGatedMLP" in types:
+            ms *= 0.5 if compiled else 1.1
+        return measure.StepCost(ms=ms, spread=0.0, first_ms=ms, peak_bytes=float("nan"), timer="fake")
+
+    assistant = CompilerOptimizationAssistant(progress=False)
+    monkeypatch.setattr(assistant, "_cost", cost)
+    result = assistant.optimize_model(Wrap(GatedMLP(32, 64)), (torch.randn(4, 32),),
+                                      techniques=["fused_gated_mlp", "compile"])  # fmt: skip
+    by = {o.technique: o for o in result.optimization_opportunities}
+    assert by["compile"].applied and by["fused_gated_mlp"].applied
+    assert [s.technique for s in result.waterfall if s.kept] == [
+        "original",
+        "compile",
+        "fused_gated_mlp (again, compiled)",
+    ]
+    assert result.speedup == pytest.approx(10.0 / 3.0)
