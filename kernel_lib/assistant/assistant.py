@@ -391,18 +391,23 @@ class CompilerOptimizationAssistant:
                 return None
             return candidate, report, cost
 
-        for opp in _progress(order, "combining fixes", self.progress):
+        def keep_if_faster(opp, label: str, not_faster: str) -> None:
+            """Try ``opp`` on top of the kept fixes; keep it when it cuts the step time by more than NOISE."""
+            nonlocal current_ms, final_model, final_report
             tried = attempt(opp)
             if tried is None:
-                continue
+                return
             candidate, report, cost = tried
             faster = cost.ms < current_ms * (1 - NOISE)
-            reason = "" if faster else f"not faster on top of the others ({cost.ms:.3f} vs {current_ms:.3f} ms)"
-            steps.append(WaterfallStep(opp.technique, cost.ms, cost.peak_bytes, faster, reason))
+            reason = "" if faster else f"{not_faster} ({cost.ms:.3f} vs {current_ms:.3f} ms)"
+            steps.append(WaterfallStep(label, cost.ms, cost.peak_bytes, faster, reason))
             if faster:
                 kept.append(opp)
                 opp.applied = True
                 current_ms, final_model, final_report = cost.ms, candidate, report
+
+        for opp in _progress(order, "combining fixes", self.progress):
+            keep_if_faster(opp, opp.technique, "not faster on top of the others")
         # The compile step: its modes are alternatives; the fastest one on top of the kept fixes wins.
         tries = [(opp, attempt(opp)) for opp in compile_like]
         tries = [(opp, t) for opp, t in tries if t is not None]
@@ -423,18 +428,7 @@ class CompilerOptimizationAssistant:
             # (its extra launches cost more than the bytes it saved) may pay off once launches are free. Each is
             # tried once more, the compile step last in its rewrite order.
             for opp in [o for o in order if not o.applied]:
-                tried = attempt(opp)
-                if tried is None:
-                    continue
-                candidate, report, cost = tried
-                faster = cost.ms < current_ms * (1 - NOISE)
-                reason = "" if faster else f"not faster once compiled either ({cost.ms:.3f} vs {current_ms:.3f} ms)"
-                steps.append(WaterfallStep(f"{opp.technique} (again, compiled)", cost.ms, cost.peak_bytes, faster,
-                                           reason))  # fmt: skip
-                if faster:
-                    kept.append(opp)
-                    opp.applied = True
-                    current_ms, final_model, final_report = cost.ms, candidate, report
+                keep_if_faster(opp, f"{opp.technique} (again, compiled)", "not faster once compiled either")
         for o in chosen:
             if not o.applied and o.note.startswith("validated"):
                 o.note += "; not kept when combined (see the waterfall)"
