@@ -266,6 +266,7 @@ class ComponentValidator:
         params = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
         trainable = [p for _, p in params if p.requires_grad]
         with torch.enable_grad(), self._seeded():
+            _mark_step_begin()
             raw = module(*a, **k)
             outputs = _flatten(raw)
             loss = None
@@ -286,11 +287,14 @@ class ComponentValidator:
                 grads = list(torch.autograd.grad(targets, wrt, grads_out, allow_unused=True))
             else:
                 grads = [None] * len(wrt)
+        # Copies: a model compiled with CUDA graphs returns tensors in its graph's memory, which its next run
+        # (the float64 reference's or the other model's, in the same graph tree) overwrites.
+        grads = [None if g is None else g.clone() for g in grads]
         input_grads = {n: g for (n, _), g in zip(floats, grads[: len(floats)], strict=True)}
         by_param = dict(zip(map(id, trainable), grads[len(floats) :], strict=True))
         return _Run(
-            outputs={n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in outputs.items()},
-            loss=None if loss is None else loss.detach(),
+            outputs={n: t.detach().clone() if isinstance(t, torch.Tensor) else t for n, t in outputs.items()},
+            loss=None if loss is None else loss.detach().clone(),
             input_grads=input_grads,
             param_grads={n: by_param.get(id(p)) for n, p in params},
         )
@@ -512,6 +516,13 @@ class ComponentValidator:
 
 class _LossError(TypeError):
     """loss_fn returned something other than a scalar: the caller's mistake, raised as it is."""
+
+
+def _mark_step_begin() -> None:
+    """Tell CUDA-graph trees (torch.compile's "reduce-overhead") that a new, independent run starts."""
+    mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
+    if mark is not None:
+        mark()
 
 
 def _require_modules(optimized, baseline) -> None:

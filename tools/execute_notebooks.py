@@ -84,7 +84,7 @@ def progress_bars_as_text(notebook) -> int:
     return replaced
 
 
-def execute(path: str, timeout: int) -> float:
+def execute(path: str, timeout: int, failed_to: str | None = None) -> float:
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
         notebook,
@@ -94,7 +94,13 @@ def execute(path: str, timeout: int) -> float:
         store_widget_state=True,
     )
     start = time.perf_counter()
-    client.execute()  # raises CellExecutionError on the first cell that fails; the file is left as it was
+    try:
+        client.execute()  # raises CellExecutionError on the first cell that fails; the file is left as it was
+    except Exception:
+        if failed_to:  # the outputs up to the failing cell, for diagnosis, never in place of the notebook
+            os.makedirs(failed_to, exist_ok=True)
+            nbformat.write(notebook, os.path.join(failed_to, os.path.basename(path)))
+        raise
     seconds = time.perf_counter() - start
     progress_bars_as_text(notebook)
     env = environment()
@@ -118,6 +124,9 @@ def main() -> int:
     parser.add_argument(
         "--progress-bars-only", action="store_true", help="only store the notebooks' progress bars as text; run nothing"
     )
+    parser.add_argument(
+        "--failed-to", metavar="DIR", help="write a notebook that raises, with its outputs so far, into DIR"
+    )
     args = parser.parse_args()
     if args.progress_bars_only:
         for path in args.notebooks:
@@ -130,7 +139,7 @@ def main() -> int:
     print(f"executing on {env['device']} with torch {env['torch']}, triton {env['triton']}")
     for path in args.notebooks:
         print(f"{path} ...", flush=True)
-        print(f"{path}: done in {execute(path, args.timeout):.0f} s", flush=True)
+        print(f"{path}: done in {execute(path, args.timeout, args.failed_to):.0f} s", flush=True)
     return 0
 
 

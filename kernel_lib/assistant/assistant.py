@@ -10,7 +10,8 @@
    training step: ``estimated_speedup`` is that measured ratio, never a number from a table;
 3. **combine**: apply the validated fixes one after another, best first (module swaps, then the fused loss, then
    precision, then compilation), keeping each only if the combined model still validates and the step gets
-   faster by more than the timing noise: a fix that makes a fast model slower is reported and not applied;
+   faster by more than the timing noise (2%), or, no slower, its peak memory drops by more than 10%: a fix that
+   makes a fast model slower is reported and not applied;
 4. **report**: the before/after table, the waterfall of step times, the validation of the final model.
 """
 
@@ -20,7 +21,7 @@ import copy
 import logging
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,7 +32,15 @@ from .findings import KINDS, Finding
 from .report import Opportunity, OptimizationResult, WaterfallStep
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-NOISE = 0.02  # a combined fix must cut the step time by more than this share to be kept
+NOISE = 0.02  # a combined fix must cut the step time by more than this share to be kept...
+LEANER = 0.10  # ...or be no slower and cut the step's peak memory by more than this share
+
+
+def _worth_keeping(cost, current_ms: float, current_peak: float) -> bool:
+    """Faster by more than NOISE, or no slower with a peak memory lower by more than LEANER (NaN peaks: no)."""
+    if cost.ms < current_ms * (1 - NOISE):
+        return True
+    return cost.ms <= current_ms and cost.peak_bytes < current_peak * (1 - LEANER)
 
 
 def split_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -354,7 +363,8 @@ class CompilerOptimizationAssistant:
 
     def combine(self, result: OptimizationResult, chosen: list[Opportunity]) -> OptimizationResult:
         """Apply ``chosen`` one after another (module swaps first, best first within a group), keeping each one
-        that validates and cuts the step time by more than NOISE; fills the waterfall and the final model."""
+        that validates and cuts the step time by more than NOISE (or, no slower, the peak memory by more than
+        LEANER); fills the waterfall and the final model."""
         model, args, kwargs = result._original, result.args, result.kwargs
         kept: list[Opportunity] = []
         current_ms = result.baseline.ms
@@ -376,7 +386,8 @@ class CompilerOptimizationAssistant:
         )
         for o in chosen:
             o.applied = False
-        final_model, final_report = model, None
+        final_model, final_report, final_cost = model, None, result.baseline
+        current_peak = result.baseline.peak_bytes
 
         def attempt(opp):
             try:
@@ -392,19 +403,21 @@ class CompilerOptimizationAssistant:
             return candidate, report, cost
 
         def keep_if_faster(opp, label: str, not_faster: str) -> None:
-            """Try ``opp`` on top of the kept fixes; keep it when it cuts the step time by more than NOISE."""
-            nonlocal current_ms, final_model, final_report
+            """Try ``opp`` on top of the kept fixes; keep it when ``_worth_keeping``."""
+            nonlocal current_ms, current_peak, final_model, final_report, final_cost
             tried = attempt(opp)
             if tried is None:
                 return
             candidate, report, cost = tried
-            faster = cost.ms < current_ms * (1 - NOISE)
-            reason = "" if faster else f"{not_faster} ({cost.ms:.3f} vs {current_ms:.3f} ms)"
-            steps.append(WaterfallStep(label, cost.ms, cost.peak_bytes, faster, reason))
-            if faster:
+            keep = _worth_keeping(cost, current_ms, current_peak)
+            reason = "" if keep else f"{not_faster} ({cost.ms:.3f} vs {current_ms:.3f} ms)"
+            steps.append(WaterfallStep(label, cost.ms, cost.peak_bytes, keep, reason))
+            if keep:
                 kept.append(opp)
                 opp.applied = True
-                current_ms, final_model, final_report = cost.ms, candidate, report
+                current_ms, current_peak, final_model, final_report, final_cost = (
+                    cost.ms, cost.peak_bytes, candidate, report, cost
+                )  # fmt: skip
 
         for opp in _progress(order, "combining fixes", self.progress):
             keep_if_faster(opp, opp.technique, "not faster on top of the others")
@@ -412,18 +425,19 @@ class CompilerOptimizationAssistant:
         tries = [(opp, attempt(opp)) for opp in compile_like]
         tries = [(opp, t) for opp, t in tries if t is not None]
         best = min(tries, key=lambda item: item[1][2].ms, default=None)
+        best_wins = best is not None and _worth_keeping(best[1][2], current_ms, current_peak)
         for opp, (_, _, cost) in tries:
-            win = opp is best[0] and cost.ms < current_ms * (1 - NOISE)
+            win = opp is best[0] and best_wins
             reason = "" if win else (
                 f"not faster on top of the others ({cost.ms:.3f} vs {current_ms:.3f} ms)" if opp is best[0]
                 else f"another compile mode was faster ({best[1][2].ms:.3f} ms)"
             )  # fmt: skip
             steps.append(WaterfallStep(opp.technique, cost.ms, cost.peak_bytes, win, reason))
-        if best is not None and best[1][2].ms < current_ms * (1 - NOISE):
+        if best_wins:
             best[0].applied = True
             kept.append(best[0])
-            current_ms = best[1][2].ms
-            final_model, final_report = best[1][0], best[1][1]
+            current_ms, current_peak = best[1][2].ms, best[1][2].peak_bytes
+            final_model, final_report, final_cost = best[1][0], best[1][1], best[1][2]
             # Compilation changes what a fix is worth: one dropped as not faster on an eager, host-bound model
             # (its extra launches cost more than the bytes it saved) may pay off once launches are free. Each is
             # tried once more, the compile step last in its rewrite order.
@@ -435,7 +449,12 @@ class CompilerOptimizationAssistant:
         result.optimized_model = final_model
         result.final_validation = final_report
         result.waterfall = steps
-        result.final = self._cost(final_model, args, kwargs) if kept else result.baseline
+        result.final = result.baseline
+        if kept:
+            # Timed again on its own; the peak stays the one read when the model was first run, which includes a
+            # CUDA graph's memory pool, allocated while capturing (a second measurement would not see it).
+            again = self._cost(final_model, args, kwargs)
+            result.final = replace(again, peak_bytes=max(again.peak_bytes, final_cost.peak_bytes))
         return result
 
 

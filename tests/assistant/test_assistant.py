@@ -274,3 +274,25 @@ def test_a_fix_dropped_eagerly_is_tried_again_once_compiled(monkeypatch):
         "fused_gated_mlp (again, compiled)",
     ]
     assert result.speedup == pytest.approx(10.0 / 3.0)
+
+
+@pytest.mark.parametrize(
+    "mlp_ms, mlp_peak, kept",
+    [
+        (1.0, 0.5, True),  # as fast, half the memory: kept for the memory
+        (1.0, 0.95, False),  # as fast, 5% leaner: within what LEANER calls noise
+        (1.03, 0.5, False),  # leaner but slower: a fix that slows the model is never kept
+    ],
+)
+def test_a_fix_as_fast_but_leaner_is_kept(monkeypatch, mlp_ms, mlp_peak, kept):
+    def cost(model, args, kwargs):
+        fused = any(type(m).__name__ == "FusedGatedMLP" for m in model.modules())
+        ms, peak = (10.0 * mlp_ms, 1e9 * mlp_peak) if fused else (10.0, 1e9)
+        return measure.StepCost(ms=ms, spread=0.0, first_ms=ms, peak_bytes=peak, timer="fake")
+
+    assistant = CompilerOptimizationAssistant(progress=False)
+    monkeypatch.setattr(assistant, "_cost", cost)
+    result = assistant.optimize_model(Wrap(GatedMLP(32, 64)), (torch.randn(4, 32),), techniques=["fused_gated_mlp"])
+    by = {o.technique: o for o in result.optimization_opportunities}
+    assert by["fused_gated_mlp"].applied is kept
+    assert (result.optimized_model is not result._original) is kept

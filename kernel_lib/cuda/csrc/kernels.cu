@@ -202,6 +202,14 @@ __device__ __forceinline__ float block_reduce(float v, Op op, float* smem) {
   else return block_reduce_warp(v, op, smem);
 }
 
+// exp for a row of T: in float32 the output keeps 24 bits, so expf (about 1 ulp, as PyTorch); in bf16/fp16 the
+// output keeps 8-11 bits and the hardware's __expf (2 ulp of float32, a few instructions fewer) is far below that.
+template <typename T>
+__device__ __forceinline__ float exp_for(float x) {
+  if constexpr (std::is_same_v<T, float>) return expf(x);
+  else return __expf(x);
+}
+
 // The online softmax's state: a running max m and the sum s of exp(x - m) over the elements seen.
 struct MaxSum {
   float m, s;
@@ -209,7 +217,7 @@ struct MaxSum {
 __device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
   const float m = fmaxf(a.m, b.m);
   if (m == -INFINITY) return {m, 0.f};  // only -inf seen: exp(-inf - -inf) would be NaN
-  return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m)};
+  return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};  // a few calls a thread: the accurate exp
 }
 __device__ __forceinline__ MaxSum warp_reduce(MaxSum v) {
 #pragma unroll
@@ -292,12 +300,12 @@ __global__ void rms_norm_fwd_naive_kernel(const NormFwd<T> p) {
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= p.rows) return;
   const T* xr = p.x + row * p.x_stride;
-  float ss = 0.f;
+  double ss = 0.0;  // one thread adds D squares in a row: in float32 the error grows with D (7x PyTorch's at 4097)
   for (int c = 0; c < p.D; ++c) {
     const float v = static_cast<float>(xr[c]);
     ss += v * v;
   }
-  const float r = 1.f / sqrtf(ss * p.inv_D + p.eps);
+  const float r = 1.f / sqrtf(float(ss) * p.inv_D + p.eps);
   p.rstd[row] = r;
   T* yr = p.y + row * p.D;
   for (int c = 0; c < p.D; ++c) yr[c] = static_cast<T>(static_cast<float>(xr[c]) * r * static_cast<float>(p.w[c]));
@@ -434,11 +442,11 @@ __global__ void softmax_fwd_naive_kernel(const SoftmaxFwd<T> p) {
   const T* xr = p.x + row * p.x_stride;
   float m = -INFINITY;
   for (int c = 0; c < p.D; ++c) m = fmaxf(m, static_cast<float>(xr[c]));
-  float s = 0.f;
-  for (int c = 0; c < p.D; ++c) s += __expf(static_cast<float>(xr[c]) - m);
-  const float inv = 1.f / s;  // a row of only -inf: m = -inf, s = NaN, y = NaN, as in PyTorch
+  double s = 0.0;  // a sequential sum of D terms: float32 would lose accuracy as D grows (see the RMSNorm above)
+  for (int c = 0; c < p.D; ++c) s += exp_for<T>(static_cast<float>(xr[c]) - m);
+  const float inv = float(1.0 / s);  // a row of only -inf: m = -inf, s = NaN, y = NaN, as in PyTorch
   T* yr = p.y + row * p.D;
-  for (int c = 0; c < p.D; ++c) yr[c] = static_cast<T>(__expf(static_cast<float>(xr[c]) - m) * inv);
+  for (int c = 0; c < p.D; ++c) yr[c] = static_cast<T>(exp_for<T>(static_cast<float>(xr[c]) - m) * inv);
 }
 
 // Steps 1-3. One block per row (grid: rows), N elements per access, reductions R: pass 1 the max, pass 2 the sum of
@@ -464,7 +472,7 @@ __global__ void __launch_bounds__(1024) softmax_fwd_rows_kernel(const SoftmaxFwd
     float f[N];
     load_n<N>(xr, c, p.D, xv, -INFINITY, f);
 #pragma unroll
-    for (int j = 0; j < N; ++j) s += __expf(f[j] - m);
+    for (int j = 0; j < N; ++j) s += exp_for<T>(f[j] - m);
   }
   s = block_reduce<R>(s, Sum{}, smem);
   const float inv = 1.f / s;
@@ -472,7 +480,7 @@ __global__ void __launch_bounds__(1024) softmax_fwd_rows_kernel(const SoftmaxFwd
     float f[N];
     load_n<N>(xr, c, p.D, xv, -INFINITY, f);
 #pragma unroll
-    for (int j = 0; j < N; ++j) f[j] = __expf(f[j] - m) * inv;
+    for (int j = 0; j < N; ++j) f[j] = exp_for<T>(f[j] - m) * inv;
     store_n<N>(yr, c, p.D, yv, f);
   }
 }
@@ -501,7 +509,7 @@ __global__ void __launch_bounds__(1024) softmax_fwd_registers_kernel(const Softm
 #pragma unroll
   for (int i = 0; i < VPT; ++i)
 #pragma unroll
-    for (int j = 0; j < N; ++j) s += (v[i][j] = __expf(v[i][j] - m));
+    for (int j = 0; j < N; ++j) s += (v[i][j] = exp_for<T>(v[i][j] - m));
   s = block_reduce_warp(s, Sum{}, red);
   if (!valid) return;
   const float inv = 1.f / s;
@@ -545,7 +553,7 @@ __global__ void __launch_bounds__(1024) softmax_fwd_cluster_kernel(const Softmax
 #pragma unroll
   for (int i = 0; i < VPT; ++i)
 #pragma unroll
-    for (int j = 0; j < N; ++j) s += (v[i][j] = __expf(v[i][j] - shift));
+    for (int j = 0; j < N; ++j) s += (v[i][j] = exp_for<T>(v[i][j] - shift));
   s = block_reduce_warp(s, Sum{}, red);
   if (threadIdx.x == 0) part = make_float2(m, s);
   cluster.sync();
@@ -553,10 +561,10 @@ __global__ void __launch_bounds__(1024) softmax_fwd_cluster_kernel(const Softmax
   for (int q = 0; q < C; ++q) M = fmaxf(M, cluster.map_shared_rank(&part, q)->x);
   for (int q = 0; q < C; ++q) {
     const float2 other = *cluster.map_shared_rank(&part, q);
-    S += other.y * __expf(other.x - M);
+    S += other.y * expf(other.x - M);
   }
   cluster.barrier_arrive();
-  const float scale = (m == -INFINITY ? 0.f : __expf(m - M)) / S;
+  const float scale = (m == -INFINITY ? 0.f : expf(m - M)) / S;
   T* yr = p.y + row * p.D;
   const bool yv = aligned16(yr);
 #pragma unroll
@@ -592,8 +600,8 @@ __global__ void __launch_bounds__(1024) softmax_fwd_online_kernel(const SoftmaxF
     if (m_new == -INFINITY) continue;  // only -inf so far: nothing to add
     float add = 0.f;
 #pragma unroll
-    for (int j = 0; j < N; ++j) add += __expf(f[j] - m_new);
-    ms.s = ms.s * __expf(ms.m - m_new) + add;
+    for (int j = 0; j < N; ++j) add += exp_for<T>(f[j] - m_new);
+    ms.s = ms.s * exp_for<T>(ms.m - m_new) + add;
     ms.m = m_new;
   }
   ms = block_reduce(ms, red);
@@ -602,7 +610,7 @@ __global__ void __launch_bounds__(1024) softmax_fwd_online_kernel(const SoftmaxF
     float f[N];
     load_n<N>(xr, c, p.D, xv, -INFINITY, f);
 #pragma unroll
-    for (int j = 0; j < N; ++j) f[j] = __expf(f[j] - ms.m) * inv;
+    for (int j = 0; j < N; ++j) f[j] = exp_for<T>(f[j] - ms.m) * inv;
     store_n<N>(yr, c, p.D, yv, f);
   }
 }
