@@ -547,3 +547,36 @@ def test_compiled_model_parameters_match_by_name():
     assert report.passed
     assert {r.name for r in report} >= {"grad weight", "grad bias"}
     assert not any(r.name == "unmatched parameters" for r in report)
+
+
+_SHARED_OUT = {}  # one output buffer for every module below: the memory a CUDA-graph tree shares between runs
+
+
+class SharedOut(Affine):
+    """Returns its output in a buffer shared with other modules, as a model compiled with CUDA graphs does: the
+    next run of any of them overwrites what this one returned."""
+
+    scale = 1.0
+
+    def forward(self, x):
+        y = (x @ self.weight.T + self.bias) * self.scale
+        buf = _SHARED_OUT.setdefault(y.dtype, torch.empty_like(y)).detach()  # same memory, no earlier history
+        return buf.copy_(y)
+
+
+class SharedOutWrong(SharedOut):
+    scale = 1.001
+
+
+def test_outputs_in_shared_memory_are_copied_before_the_next_run():
+    # Without a copy, the original's outputs would be the optimized run's by the time they are compared: both
+    # errors would be the wrong model's, and the 0.1% error would pass as "2x the original's".
+    torch.manual_seed(0)
+    base = SharedOut()
+    wrong = SharedOutWrong()
+    wrong.load_state_dict(base.state_dict())
+    report = ComponentValidator().validate_model(wrong, base, (torch.randn(8, 24),))
+    assert not by_name(report)["output"].passed
+    fine = SharedOut()
+    fine.load_state_dict(base.state_dict())
+    assert ComponentValidator().validate_model(fine, base, (torch.randn(8, 24),)).passed
