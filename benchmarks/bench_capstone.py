@@ -48,7 +48,6 @@ run eagerly, and the output says so. It is a smoke test of this script, not a me
 
 import argparse
 import dataclasses
-import gc
 import math
 import os
 import sys
@@ -93,6 +92,7 @@ from kernel_lib.models.capstone import (  # noqa: E402
     loss_curves,
     make_optimizer,
     profile_families,
+    release,
     step_cost,
     train_step,
 )
@@ -139,13 +139,6 @@ class Context:
     @property
     def compile_note(self) -> str:
         return "" if self.compile else "compile skipped on the CPU: runs eagerly"
-
-
-def free(device: torch.device) -> None:
-    """Drop what the last version left: Python cycles, then the CUDA allocator's cached blocks."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def load_corpus(args, vocab_size: int) -> torch.Tensor:
@@ -213,7 +206,7 @@ def phase_train(ctx: Context, rows: list[dict]) -> None:
             flush=True,
         )
         del version, optimizer, step
-        free(device)
+        release(device)
     by_name = {r["version"]: r for r in phase_rows}
     for row in phase_rows:  # the issue's goals read off these ratios (version 4 against versions 2 and 3)
         row["speedup_vs_native_eager"] = row["tokens_per_s"] / by_name["native eager"]["tokens_per_s"]
@@ -308,7 +301,7 @@ def _fits_fn(ctx: Context, version: Version, optimizer) -> Callable[[int], bool]
         finally:
             optimizer.zero_grad(set_to_none=True)
             del idx, targets
-            free(ctx.device)
+            release(ctx.device)
 
     return fits
 
@@ -335,7 +328,7 @@ def phase_batch(ctx: Context, rows: list[dict]) -> None:
         rows.append(row)
         print(f"  {name:<24} {best!s:>5}  ({row['tries']}) {error} {row['note']}", flush=True)
         del version, optimizer
-        free(device)
+        release(device)
 
 
 def phase_decode(ctx: Context, rows: list[dict]) -> None:
@@ -398,12 +391,12 @@ def phase_decode(ctx: Context, rows: list[dict]) -> None:
                            "vs_hf_static", "identical_prefix", "compared_with"])  # fmt: skip
         print(f"  bandwidth limit at batch {B}: {limit:,.0f} tokens/s")
         del graphed, decoders, outputs
-        free(device)
+        release(device)
     print("goals: graphed kernel_lib at batch 1 >= 60% of the limit and >= 5x HF static; at batch 16 >= 1.5x it")
 
     rows += prefill_rows(ctx, models, hf, timing)
     del models, hf
-    free(device)
+    release(device)
 
 
 def prefill_rows(ctx: Context, models: dict[str, GPT], hf, timing: dict) -> list[dict]:

@@ -1,7 +1,9 @@
 """The forward-and-backward check every kernel test uses: kernel against float64, allowance from PyTorch's own
 low-precision result (kernel_lib.validate's rule)."""
 
+import importlib.util
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -182,3 +184,12 @@ __all__ = [
     "rows_input",
     "assert_close",
 ]
+
+
+def load_script(name: str):
+    """``benchmarks/<name>.py`` imported as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

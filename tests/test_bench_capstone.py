@@ -6,22 +6,16 @@ The script is loaded from its file (benchmarks/ is not a package). Its --tiny ru
 2-core machine."""
 
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from kernel_lib.models.capstone import KERNEL_FAMILIES, REFERENCE, compare_curves, kernel_family
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_capstone.py"
+from tests._checks import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("bench_capstone", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_capstone")
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ checked, timed and recorded what it should.
 """
 
 import csv
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -14,16 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._checks import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_cuda.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("bench_cuda", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_cuda")
 
 
 @pytest.fixture(scope="module")

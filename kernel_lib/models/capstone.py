@@ -51,6 +51,7 @@ __all__ = [
     "YARDSTICK",
     "loss_curves",
     "compare_curves",
+    "release",
     "datasheet_tflops",
     "decode_step_bytes",
     "decode_limit",
@@ -210,6 +211,13 @@ def loss_curve(
     return losses
 
 
+def release(device=None) -> None:
+    """Drop what the last version left: Python cycles, then the CUDA allocator's cached blocks."""
+    gc.collect()
+    if torch.device(device or "cpu").type == "cuda":
+        torch.cuda.empty_cache()
+
+
 REFERENCE = "native eager, float32"  # the curves' reference: PyTorch's own ops without low-precision rounding
 YARDSTICK = "native eager"  # PyTorch's own ops in the run's dtype: the drift its rounding alone causes
 
@@ -242,9 +250,7 @@ def loss_curves(
         if progress is not None:
             progress(label, curves[label], time.perf_counter() - start)
         del version, optimizer
-        gc.collect()  # one version on the device at a time
-        if torch.device(device or "cpu").type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)  # one version on the device at a time
     return curves
 
 
