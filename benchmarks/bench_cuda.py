@@ -405,8 +405,9 @@ def run_single(args) -> int:
     """--single OP:VARIANT:D: one forward launch between cudaProfilerStart and cudaProfilerStop (for ncu)."""
     op, variant, D = args.single.split(":")
     D = int(D)
-    if op not in VARIANTS or variant not in VARIANTS[op]:
-        raise SystemExit(f"--single: unknown op or variant {args.single!r}; ops and variants: {VARIANTS}")
+    if op not in VARIANTS or variant not in (*VARIANTS[op], "triton", "eager"):
+        raise SystemExit(f"--single: unknown op or variant {args.single!r}; ops and variants: {VARIANTS}, "
+                         "or the peers triton and eager")  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda.build_info()
     inputs = make_inputs(op, "forward", max(1, args.elements // D), D, args.dtype, device)

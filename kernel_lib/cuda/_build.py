@@ -62,23 +62,25 @@ def load(verbose: bool = False) -> BuildInfo:
     with_cuda = _can_build_cuda()
     arch = _cuda_arch() if with_cuda else ""
     sources = [CSRC / "ops.cpp"] + ([CSRC / "kernels.cu"] if with_cuda else [])
+    # No -std: cpp_extension passes the standard this torch was built with (C++20 from torch 2.10, C++17 before);
+    # headers compiled under another standard than libtorch's can disagree with it on inline code.
+    cflags = ["-O3"] + (["-DKL_WITH_CUDA"] if with_cuda else [])
+    cuda_flags = []
+    if with_cuda:
+        compute = arch.replace("sm_", "compute_")
+        cuda_flags = ["-O3", "--expt-relaxed-constexpr", "-DKL_WITH_CUDA", "-lineinfo",
+                      f"-gencode=arch={compute},code={arch}"]  # fmt: skip
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cpp", ".cu", ".h", ".cuh"):
             digest.update(path.name.encode() + path.read_bytes())
     # the folder's ninja file names the sources by absolute path: two checkouts must not share (and rebuild) one
-    digest.update(f"{torch.__version__}|{arch}|{CSRC.resolve()}".encode())
+    digest.update(f"{torch.__version__}|{arch}|{CSRC.resolve()}|{cflags}|{cuda_flags}".encode())
     name = f"kernel_lib_cuda_{digest.hexdigest()[:12]}"
     root = Path(os.environ.get("KERNEL_LIB_CUDA_CACHE", Path.home() / ".cache" / "kernel_lib" / "cuda"))
     build = root / name
     build.mkdir(parents=True, exist_ok=True)
     cached = (build / f"{name}.so").exists()
-    cflags = ["-O3", "-std=c++17"] + (["-DKL_WITH_CUDA"] if with_cuda else [])
-    cuda_flags = []
-    if with_cuda:
-        compute = arch.replace("sm_", "compute_")
-        cuda_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DKL_WITH_CUDA", "-lineinfo",
-                      f"-gencode=arch={compute},code={arch}"]  # fmt: skip
     start = time.perf_counter()
     cpp_extension.load(
         name=name,

@@ -46,6 +46,11 @@ def test_rms_norm_forward_backward(device, dtype, atol, D, layout):
         if variant == "online":
             continue  # a softmax-only step
         x = rows_input((3, 5, D), dtype, device, layout=layout, offset=0.5)
+        if D == 1:
+            # dx = rstd * dy * w * eps / (x^2 + eps): two terms of size rstd * dy cancel, so any float32 computation,
+            # PyTorch's included, returns a rounding error of that size; near x = 0 (rstd up to 1/sqrt(eps)) which of
+            # the two errs less is a coin toss. |x| >= 0.5 keeps it below atol while a wrong formula still shows.
+            x.add_(torch.where(x >= 0, 0.5, -0.5).to(dtype))
         w = torch.rand(D, device=device, dtype=dtype) + 0.5
         check_forward_backward(lambda x, w, v=variant: cuda.rms_norm(x, w, 1e-6, v), rms_norm_ref, [x, w],
                                atol=atol, name=f"rms_norm {variant}")  # fmt: skip
@@ -59,7 +64,10 @@ def test_softmax_forward_backward(device, dtype, atol, D, layout):
         x = rows_input((4, 3, D), dtype, device, layout=layout) * 3
         # PyTorch's own softmax in x's dtype is the yardstick, with a tight atol: outputs are about 1/D, so the
         # 1e-2 of the bf16 norms' rule would let almost anything pass
-        check_forward_backward(lambda x, v=variant: cuda.softmax(x, v), softmax_ref, [x], atol=1e-6,
+        # a result rounded to bf16 may land one ulp (2^-7 relative) from PyTorch's where PyTorch happens to round
+        # the right way (sliced-D4097: 1.56e-3 against PyTorch's 6.6e-4 at |dx| about 0.3): one ulp of the largest value
+        rtol = 2.0**-7 if dtype == torch.bfloat16 else 0.0
+        check_forward_backward(lambda x, v=variant: cuda.softmax(x, v), softmax_ref, [x], atol=1e-6, rtol=rtol,
                                baseline=lambda x: torch.softmax(x, -1), name=f"softmax {variant}")  # fmt: skip
 
 

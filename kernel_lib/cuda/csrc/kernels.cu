@@ -19,32 +19,31 @@
 //                  bf16 and 16 bytes in flight per instruction. A row whose start is not 16-byte aligned (row stride
 //                  not a multiple of the vector, or an offset view) and the tail of D use scalar accesses.
 //  4 registers     The row held in registers: each thread issues its VPT vector loads (VPT a compile-time constant)
-//                  before using any, then the statistic and the output come from registers: x is read once, the
-//                  copy's 4 bytes per element. One block holds up to 32,768 elements (1024 threads x 32 floats).
-//                  Wider rows, on Hopper: the row is split over a cluster of 2-8 blocks, each holding a slice in its
-//                  registers, the partial statistics exchanged through distributed shared memory (DSMEM), still one
-//                  read of x, up to 8 x 32,768 = 262,144 elements. Without clusters, or wider still, kRegisters runs
-//                  the two-pass kernel (step 3 for RMSNorm, step 5 for softmax).
+//                  back to back, with no branch between them (load_packs), before using any; then the statistic and
+//                  the output come from registers: x is read once, the copy's 4 bytes per element. One block holds
+//                  up to 32,768 elements (1024 threads x 32 floats). Wider rows, on Hopper: the row is split over a
+//                  cluster of 2-8 blocks, each holding a slice in its registers, the partial statistics exchanged
+//                  through distributed shared memory (DSMEM), still one read of x, up to 8 x 32,768 = 262,144
+//                  elements. Without clusters, or wider still, kRegisters runs the two-pass kernel (step 3 for
+//                  RMSNorm, step 5 for softmax).
 //  5 online        Softmax: one pass keeps a running (max, sum of exp(x - max)) per thread, rescaling the sum when the
 //                  max grows, combines them over the block, then one pass writes y: two reads of x at any width
 //                  (the second from L2 when the rows in flight fit in it). RMSNorm's kOnline is step 3, already
 //                  one statistics pass and one output pass.
 //
 // kBest, by width (in elements, the same for every dtype):
-//   D <= 16,384                          registers, one block per row (1-4 rows per block below 128 threads a row):
-//                                        at most 512 threads x 32 floats, so at least two blocks share an SM.
-//   16,384 < D <= 262,144 on Hopper      registers of a cluster: the smallest cluster (2, 4, 8) whose slice is at most
+//   D <= 32,768                          registers, one block per row (1-4 rows per block below 128 threads a row).
+//   32,768 < D <= 262,144 on Hopper      registers of a cluster: the smallest cluster (2, 4, 8) whose slice is at most
 //                                        16,384 elements, else 32,768; used when the device has cluster launch and the
-//                                        kernel was built for sm_90a (queried at run time), else the next rules.
-//   16,384 < D <= 32,768 otherwise       registers, one block of up to 1024 threads (one block per SM).
-//   wider                                softmax: online; RMSNorm: vectorized two-pass (2nd read partly from L2).
-// Why: holding the row is the only way to read x once. Up to 16,384 elements one block of <= 512 threads does it and
-// two or more blocks share an SM, so one block's reductions overlap another's loads. A 32,768-element row fills a
-// 1024-thread block (one per SM, nothing to overlap), so on Hopper two 16,384-element blocks of a cluster are used
-// instead; past 32,768 no block can hold the row (1024 threads x 64 registers) and a cluster is the only one-read
-// option. Without clusters a second read (from L2 at best) is unavoidable. The thresholds count elements, not bytes,
-// for every dtype: float32 has 4 elements a vector instead of 8, so VPT doubles and the budget of 32 floats a thread
-// is the same.
+//                                        kernel was built for sm_90+ (queried at run time). Softmax up to 131,072.
+//   wider, or no clusters                softmax: online; RMSNorm: vectorized two-pass (2nd read partly from L2).
+// Why: holding the row is the only way to read x once. Up to 32,768 elements one block does it; past that no block
+// can (1024 threads x 64 registers) and a cluster is the only one-read option. Without clusters a second read (from L2
+// at best) is unavoidable. Measured on an H100 (benchmarks/NOTES.md, 2026-11-24): at 32,768 one 1024-thread block
+// beat a cluster of two 16,384-element blocks (RMSNorm 96.7% of the copy against 84.0%); at 262,144 the softmax
+// cluster (8 blocks of 32,768) fell below the online kernel (58.8% against 62.6%). The thresholds count elements, not
+// bytes, for every dtype: float32 has 4 elements a vector instead of 8, so VPT doubles and the budget of 32 floats a
+// thread is the same.
 //
 // Backward. RMSNorm with kRegisters or kBest, D <= 16,384: persistent blocks hold dy and x of one row in registers
 // (one read of each) and their dweight partials in shared memory, one float32 partial row per block. Other variants,
@@ -100,7 +99,8 @@ namespace {
 constexpr int kMaxValues = 32;            // floats a thread holds of a row: fits a 1024-thread block's 64 registers
 constexpr int kMaxRowsPerBlock = 4;       // narrow rows: up to 4 rows per block (blockDim.y), >= 128 threads a block
 constexpr int kOneBlockMaxD = 32768;      // widest row one block holds in registers: 1024 threads x 32 floats
-constexpr int kBestOneBlockMaxD = 16384;  // kBest's one-block limit (<= 512 threads: 2 blocks per SM)
+constexpr int kClusterSlice = 16384;      // a cluster block's preferred slice (<= 512 threads: 2 blocks per SM)
+constexpr int kBestSoftmaxClusterMaxD = 131072;  // kBest softmax: wider rows take the online kernel (measured)
 constexpr int kClusterMax = 8;            // portable cluster size: clusters reach 8 x 32,768 = 262,144 elements
 constexpr int kBwdRegMaxD = 16384;        // backward registers paths: RMSNorm 1024 x 16 floats, softmax 512 x 32
 constexpr int kNormBwdMaxValues = 16;     // RMSNorm backward: dy and x held, 16 floats each per thread
@@ -133,6 +133,62 @@ __device__ __forceinline__ void load_n(const T* row, int col, int end, bool vec_
   }
 }
 
+// A thread's VPT vectors of a row, at columns first + i * step (i < VPT), kept in T: when the row start is 16-byte
+// aligned and all VPT vectors end before `end`, VPT 128-bit loads issued back to back, nothing between them; else
+// element by element (`fill` past `end`). Calling load_n vector by vector instead puts a branch (vector or scalar)
+// between the loads, and each vector's conversion, which waits for its load, comes before the next branch: the loads
+// go out one round trip at a time. Nsight Compute saw that: the registers kernels stalled 10.4 cycles an instruction
+// on loads against 5.4 for Triton's kernel at the same launch shape and occupancy (benchmarks/NOTES.md).
+template <int VPT, int N, typename T>
+__device__ __forceinline__ void load_packs(const T* row, int first, int step, int end, bool vec_ok, float fill,
+                                           Pack<T, N> (&out)[VPT]) {
+  if (N > 1 && vec_ok && first + (VPT - 1) * step + N <= end) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) out[i] = *reinterpret_cast<const Pack<T, N>*>(row + first + i * step);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i)
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int col = first + i * step + j;
+        out[i].v[j] = col < end ? row[col] : static_cast<T>(fill);
+      }
+  }
+}
+
+// load_packs, converted to float after all loads are issued.
+template <int VPT, int N, typename T>
+__device__ __forceinline__ void load_vectors(const T* row, int first, int step, int end, bool vec_ok, float fill,
+                                             float (&v)[VPT][N]) {
+  Pack<T, N> raw[VPT];
+  load_packs<VPT, N>(row, first, step, end, vec_ok, fill, raw);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[i][j] = static_cast<float>(raw[i].v[j]);
+}
+
+// The same for two rows read together (a backward's dy and x): all 2 * VPT loads before any conversion.
+template <int VPT, int N, typename T>
+__device__ __forceinline__ void load_vectors2(const T* row_a, bool a_ok, const T* row_b, bool b_ok, int first, int step,
+                                              int end, float (&a)[VPT][N], float (&b)[VPT][N]) {
+  Pack<T, N> ra[VPT], rb[VPT];
+  if (a_ok && b_ok) {  // one branch for both, so the 2 * VPT loads are in one block
+    load_packs<VPT, N>(row_a, first, step, end, true, 0.f, ra);
+    load_packs<VPT, N>(row_b, first, step, end, true, 0.f, rb);
+  } else {
+    load_packs<VPT, N>(row_a, first, step, end, a_ok, 0.f, ra);
+    load_packs<VPT, N>(row_b, first, step, end, b_ok, 0.f, rb);
+  }
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      a[i][j] = static_cast<float>(ra[i].v[j]);
+      b[i][j] = static_cast<float>(rb[i].v[j]);
+    }
+}
+
 // f rounded to T into elements [col, min(col + N, end)) of a row; the same vector/scalar rule as load_n.
 template <int N, typename T>
 __device__ __forceinline__ void store_n(T* row, int col, int end, bool vec_ok, const float (&f)[N]) {
@@ -145,6 +201,35 @@ __device__ __forceinline__ void store_n(T* row, int col, int end, bool vec_ok, c
 #pragma unroll
     for (int j = 0; j < N; ++j)
       if (col + j < end) row[col + j] = static_cast<T>(f[j]);
+  }
+}
+
+// y = v * r * w for a thread's VPT vectors of a row (RMSNorm's output), stored at columns first + i * step. When the
+// row, w and every vector are in bounds and aligned, one branch-free block whose w loads go through the read-only
+// path (__ldg), so the compiler may issue them ahead of the stores (a store to y cannot change w); else load_n and
+// store_n vector by vector.
+template <int VPT, int N, typename T>
+__device__ __forceinline__ void store_scaled(T* y, const T* w, int first, int step, int end, float r,
+                                             float (&v)[VPT][N]) {
+  if (N > 1 && aligned16(y) && aligned16(w) && first + (VPT - 1) * step + N <= end) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const float4 raw = __ldg(reinterpret_cast<const float4*>(w + first + i * step));
+      const Pack<T, N> wp = *reinterpret_cast<const Pack<T, N>*>(&raw);
+      Pack<T, N> out;
+#pragma unroll
+      for (int j = 0; j < N; ++j) out.v[j] = static_cast<T>(v[i][j] * r * static_cast<float>(wp.v[j]));
+      *reinterpret_cast<Pack<T, N>*>(y + first + i * step) = out;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      float wf[N];
+      load_n<N>(w, first + i * step, end, aligned16(w), 0.f, wf);
+#pragma unroll
+      for (int j = 0; j < N; ++j) v[i][j] = v[i][j] * r * wf[j];
+      store_n<N>(y, first + i * step, end, aligned16(y), v[i]);
+    }
   }
 }
 
@@ -356,8 +441,7 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_registers_kernel(const Norm
   const T* xr = p.x + (valid ? row : 0) * p.x_stride;
   const bool xv = aligned16(xr);
   float v[VPT][N];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) load_n<N>(xr, (threadIdx.x + i * blockDim.x) * N, end, xv, 0.f, v[i]);
+load_vectors<VPT, N>(xr, threadIdx.x * N, blockDim.x * N, end, xv, 0.f, v);
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < VPT; ++i)
@@ -367,17 +451,7 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_registers_kernel(const Norm
   if (!valid) return;  // after the last barrier
   const float r = 1.f / sqrtf(ss * p.inv_D + p.eps);
   if (threadIdx.x == 0) p.rstd[row] = r;
-  T* yr = p.y + row * p.D;
-  const bool yv = aligned16(yr), wv = aligned16(p.w);
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int col = (threadIdx.x + i * blockDim.x) * N;
-    float wf[N];
-    load_n<N>(p.w, col, p.D, wv, 0.f, wf);
-#pragma unroll
-    for (int j = 0; j < N; ++j) v[i][j] = v[i][j] * r * wf[j];
-    store_n<N>(yr, col, p.D, yv, v[i]);
-  }
+  store_scaled<VPT, N>(p.y + row * p.D, p.w, threadIdx.x * N, blockDim.x * N, p.D, r, v);
 }
 
 // Step 4 for rows wider than a block (Hopper, sm_90+). A cluster of C blocks per row (grid: rows * C, cluster dims
@@ -398,8 +472,7 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_cluster_kernel(const NormFw
   const T* xr = p.x + row * p.x_stride;
   const bool xv = aligned16(xr);
   float v[VPT][N];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) load_n<N>(xr, begin + (threadIdx.x + i * blockDim.x) * N, end, xv, 0.f, v[i]);
+load_vectors<VPT, N>(xr, begin + threadIdx.x * N, blockDim.x * N, end, xv, 0.f, v);
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < VPT; ++i)
@@ -414,16 +487,7 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_cluster_kernel(const NormFw
   const float r = 1.f / sqrtf(total * p.inv_D + p.eps);
   if (rank == 0 && threadIdx.x == 0) p.rstd[row] = r;
   T* yr = p.y + row * p.D;
-  const bool yv = aligned16(yr), wv = aligned16(p.w);
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int col = begin + (threadIdx.x + i * blockDim.x) * N;
-    float wf[N];
-    load_n<N>(p.w, col, end, wv, 0.f, wf);
-#pragma unroll
-    for (int j = 0; j < N; ++j) v[i][j] = v[i][j] * r * wf[j];
-    store_n<N>(yr, col, end, yv, v[i]);
-  }
+  store_scaled<VPT, N>(yr, p.w, begin + threadIdx.x * N, blockDim.x * N, end, r, v);
   cluster.barrier_wait();  // no block exits while another may still read its `part`
 #else
   __trap();  // the host launches this only for a binary built for sm_90+
@@ -497,8 +561,7 @@ __global__ void __launch_bounds__(1024) softmax_fwd_registers_kernel(const Softm
   const T* xr = p.x + (valid ? row : 0) * p.x_stride;
   const bool xv = aligned16(xr);
   float v[VPT][N];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) load_n<N>(xr, (threadIdx.x + i * blockDim.x) * N, end, xv, -INFINITY, v[i]);
+load_vectors<VPT, N>(xr, threadIdx.x * N, blockDim.x * N, end, xv, -INFINITY, v);
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < VPT; ++i)
@@ -540,8 +603,7 @@ __global__ void __launch_bounds__(1024) softmax_fwd_cluster_kernel(const Softmax
   const T* xr = p.x + row * p.x_stride;
   const bool xv = aligned16(xr);
   float v[VPT][N];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) load_n<N>(xr, begin + (threadIdx.x + i * blockDim.x) * N, end, xv, -INFINITY, v[i]);
+load_vectors<VPT, N>(xr, begin + threadIdx.x * N, blockDim.x * N, end, xv, -INFINITY, v);
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < VPT; ++i)
@@ -643,12 +705,7 @@ __global__ void __launch_bounds__(1024) rms_norm_bwd_registers_kernel(const Norm
     const bool dyv = aligned16(dyr), xv = aligned16(xr);
     const float r = p.rstd[row];
     float g[VPT][N], xs[VPT][N];
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int col = (threadIdx.x + i * blockDim.x) * N;
-      load_n<N>(dyr, col, p.D, dyv, 0.f, g[i]);
-      load_n<N>(xr, col, p.D, xv, 0.f, xs[i]);
-    }
+    load_vectors2<VPT, N>(dyr, dyv, xr, xv, threadIdx.x * N, blockDim.x * N, p.D, g, xs);
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
@@ -787,12 +844,7 @@ __global__ void __launch_bounds__(512) softmax_bwd_registers_kernel(const Softma
   const T* dyr = p.dy + (valid ? row : 0) * p.dy_stride;
   const bool yv = aligned16(yr), dyv = aligned16(dyr);
   float ys[VPT][N], g[VPT][N];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int col = (threadIdx.x + i * blockDim.x) * N;
-    load_n<N>(yr, col, end, yv, 0.f, ys[i]);
-    load_n<N>(dyr, col, end, dyv, 0.f, g[i]);
-  }
+  load_vectors2<VPT, N>(yr, yv, dyr, dyv, threadIdx.x * N, blockDim.x * N, end, ys, g);
   float dot = 0.f;
 #pragma unroll
   for (int i = 0; i < VPT; ++i)
@@ -901,7 +953,7 @@ struct ClusterConfig {
   RegConfig reg;
 };
 ClusterConfig cluster_config(int D, int N) {
-  for (const int limit : {kBestOneBlockMaxD, 2 * kBestOneBlockMaxD}) {
+  for (const int limit : {kClusterSlice, 2 * kClusterSlice}) {
     for (int c = 2; c <= kClusterMax; c *= 2) {
       const int slice = int(round_up(ceil_div(D, c), N));
       if (slice > limit) continue;
@@ -986,15 +1038,13 @@ bool launch_cluster(const P& p, KernelFor kernel_for, const char* name, cudaStre
   return launched;
 }
 
-// The registers step of both forward ops (kRegisters, and kBest's choice among the one-pass kernels; see the top of
-// the file). False if none applies: the caller runs its two-pass kernel.
+// The registers step of both forward ops (kRegisters and kBest; see the top of the file): one block up to
+// kOneBlockMaxD, a cluster beyond. False if neither applies: the caller runs its two-pass kernel.
 template <typename T, typename P, typename RegFor, typename ClusterFor>
-bool launch_one_pass(const P& p, int64_t variant, RegFor reg_for, ClusterFor cluster_for, const char* reg_name,
+bool launch_one_pass(const P& p, RegFor reg_for, ClusterFor cluster_for, const char* reg_name,
                      const char* cluster_name, cudaStream_t stream) {
-  const int one_block_max = variant == kBest ? kBestOneBlockMaxD : kOneBlockMaxD;
-  if (p.D <= one_block_max && launch_registers<kMaxValues, T>(p, 1024, reg_for, reg_name, stream)) return true;
-  if (launch_cluster<T>(p, cluster_for, cluster_name, stream)) return true;
-  return p.D <= kOneBlockMaxD && launch_registers<kMaxValues, T>(p, 1024, reg_for, reg_name, stream);
+  if (p.D <= kOneBlockMaxD) return launch_registers<kMaxValues, T>(p, 1024, reg_for, reg_name, stream);
+  return launch_cluster<T>(p, cluster_for, cluster_name, stream);
 }
 
 // Steps 1-3 (one block per row, threads striding along it). Dynamic shared memory for the tree's reduction.
@@ -1023,8 +1073,7 @@ void rms_norm_fwd_typed(const NormFwd<T>& p, int64_t variant, cudaStream_t strea
     default:  // kRegisters, kBest
       const auto reg_for = [](auto vpt) { return rms_norm_fwd_registers_kernel<T, decltype(vpt)::value>; };
       const auto cluster_for = [](auto vpt) { return rms_norm_fwd_cluster_kernel<T, decltype(vpt)::value>; };
-      if (launch_one_pass<T>(p, variant, reg_for, cluster_for, "rms_norm_fwd_registers", "rms_norm_fwd_cluster",
-                             stream))
+      if (launch_one_pass<T>(p, reg_for, cluster_for, "rms_norm_fwd_registers", "rms_norm_fwd_cluster", stream))
         return;
       return launch_rows(vectorized, p, N, "rms_norm_fwd_vectorized", stream);
   }
@@ -1056,7 +1105,8 @@ void softmax_fwd_typed(const SoftmaxFwd<T>& p, int64_t variant, cudaStream_t str
     default:  // kRegisters, kBest
       const auto reg_for = [](auto vpt) { return softmax_fwd_registers_kernel<T, decltype(vpt)::value>; };
       const auto cluster_for = [](auto vpt) { return softmax_fwd_cluster_kernel<T, decltype(vpt)::value>; };
-      if (launch_one_pass<T>(p, variant, reg_for, cluster_for, "softmax_fwd_registers", "softmax_fwd_cluster", stream))
+      if (variant == kBest && p.D > kBestSoftmaxClusterMaxD) return launch_softmax_fwd_online(p, stream);
+      if (launch_one_pass<T>(p, reg_for, cluster_for, "softmax_fwd_registers", "softmax_fwd_cluster", stream))
         return;
       return launch_softmax_fwd_online(p, stream);
   }

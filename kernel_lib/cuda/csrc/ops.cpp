@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <string>
 #include <tuple>
 
 #ifdef KL_WITH_CUDA
@@ -32,10 +33,23 @@ namespace {
 using at::Tensor;
 
 // ---- argument checks: each names the op, the argument and the rule -----------------------------------------------
+// Numbers, shapes and devices enter the messages as strings made here. On the GPU machine (torch 2.11.0+cu130) the
+// process died with a segmentation fault instead of raising whenever a message streamed an integer, a double or a
+// shape into TORCH_CHECK from this library, while text and dtypes printed fine; the CPU build (torch 2.13) raised
+// normally. The cause was not found (benchmarks/NOTES.md, 2026-11-24); std::to_string keeps numbers off that path.
+std::string text(int64_t v) { return std::to_string(v); }
+std::string text(double v) { return std::to_string(v); }
+std::string text(at::IntArrayRef shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+std::string text(const at::Device& device) { return device.str(); }
+
 void check_rows(const Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D (rows, D), got ", t.dim(), " dimensions");
+  TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D (rows, D), got ", text(t.dim()), " dimensions");
   TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, op, ": ", name, " must have unit stride along its last dim, got ",
-              t.stride(1));
+              text(t.stride(1)));
   const auto dt = t.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op, ": ", name,
               " must be float32, bfloat16 or float16, got ", dt);
@@ -44,21 +58,21 @@ void check_rows(const Tensor& t, const char* op, const char* name) {
 void check_like(const Tensor& t, const Tensor& ref, const char* op, const char* name, const char* ref_name) {
   TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have ", ref_name, "'s dtype ",
               ref.scalar_type(), ", got ", t.scalar_type());
-  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on ", ref_name, "'s device ", ref.device(),
-              ", got ", t.device());
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on ", ref_name, "'s device ", text(ref.device()),
+              ", got ", text(t.device()));
 }
 
 void check_weight(const Tensor& weight, const Tensor& x, const char* op) {
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), op, ": weight must have shape (", x.size(1),
-              ",) to match x's last dim, got ", weight.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), op, ": weight must have shape (", text(x.size(1)),
+              ",) to match x's last dim, got ", text(weight.sizes()));
   check_like(weight, x, op, "weight", "x");
 }
 
 void check_rstd(const Tensor& rstd, const Tensor& x, const char* op) {
   TORCH_CHECK(rstd.scalar_type() == at::kFloat, op, ": rstd must be float32, got ", rstd.scalar_type());
-  TORCH_CHECK(rstd.dim() == 1 && rstd.size(0) == x.size(0), op, ": rstd must have shape (", x.size(0),
-              ",), one per row, got ", rstd.sizes());
-  TORCH_CHECK(rstd.device() == x.device(), op, ": rstd must be on x's device ", x.device());
+  TORCH_CHECK(rstd.dim() == 1 && rstd.size(0) == x.size(0), op, ": rstd must have shape (", text(x.size(0)),
+              ",), one per row, got ", text(rstd.sizes()));
+  TORCH_CHECK(rstd.device() == x.device(), op, ": rstd must be on x's device ", text(x.device()));
 }
 
 // ---- CPU implementation: one row per task ---------------------------------------------------------------------------
@@ -170,7 +184,7 @@ void softmax_bwd_rows(const Tensor& y, const Tensor& dy, Tensor& dx) {
 std::tuple<Tensor, Tensor> rms_norm_fwd(const Tensor& x, const Tensor& weight, double eps, int64_t variant) {
   check_rows(x, "rms_norm_fwd", "x");
   check_weight(weight, x, "rms_norm_fwd");
-  TORCH_CHECK(eps >= 0, "rms_norm_fwd: eps must be >= 0, got ", eps);
+  TORCH_CHECK(eps >= 0, "rms_norm_fwd: eps must be >= 0, got ", text(eps));
   Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
   Tensor rstd = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
   const Tensor w = weight.contiguous();
@@ -191,7 +205,8 @@ std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& dy, const Tensor& x, const
   check_rows(x, "rms_norm_bwd", "x");
   check_rows(dy, "rms_norm_bwd", "dy");
   check_like(dy, x, "rms_norm_bwd", "dy", "x");
-  TORCH_CHECK(dy.sizes() == x.sizes(), "rms_norm_bwd: dy must have x's shape ", x.sizes(), ", got ", dy.sizes());
+  TORCH_CHECK(dy.sizes() == x.sizes(), "rms_norm_bwd: dy must have x's shape ", text(x.sizes()), ", got ",
+              text(dy.sizes()));
   check_weight(weight, x, "rms_norm_bwd");
   check_rstd(rstd, x, "rms_norm_bwd");
   Tensor dx = at::empty({x.size(0), x.size(1)}, x.options());
@@ -229,7 +244,8 @@ Tensor softmax_bwd(const Tensor& y, const Tensor& dy) {
   check_rows(y, "softmax_bwd", "y");
   check_rows(dy, "softmax_bwd", "dy");
   check_like(dy, y, "softmax_bwd", "dy", "y");
-  TORCH_CHECK(dy.sizes() == y.sizes(), "softmax_bwd: dy must have y's shape ", y.sizes(), ", got ", dy.sizes());
+  TORCH_CHECK(dy.sizes() == y.sizes(), "softmax_bwd: dy must have y's shape ", text(y.sizes()), ", got ",
+              text(dy.sizes()));
   Tensor dx = at::empty({y.size(0), y.size(1)}, y.options());
   if (y.is_cuda()) {
 #ifdef KL_WITH_CUDA
