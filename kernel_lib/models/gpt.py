@@ -86,6 +86,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..ops.attention import HEAD_DIMS, flash_attention
 from ..ops.linear_cross_entropy import linear_cross_entropy
@@ -546,6 +547,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(config, **kw) for _ in range(config.n_layers)])
         self.norm_f = _PARTS[config.impl][0](config.d_model, eps=config.norm_eps, **kw)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False, **kw)
+        # Activation checkpointing (kernel_lib.distributed.wrap sets it): each block keeps only its input for
+        # backward and recomputes the rest there; the parameter names stay those of the plain model.
+        self.checkpoint_blocks = False
         if self.head.weight.device.type != "meta":
             self.reset_parameters(torch.Generator(self.head.weight.device).manual_seed(seed))
 
@@ -582,8 +586,9 @@ class GPT(nn.Module):
         """The final-normed hidden states (B, T, d) of tokens idx (B, T): everything but the head."""
         self._check(idx)
         x = self.embed(idx)
+        recompute = self.checkpoint_blocks and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.norm_f(x)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
