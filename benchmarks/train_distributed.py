@@ -66,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="sequences per rank (default 4 on a GPU, 2 on the CPU)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048 GPU, 32 CPU)")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (betas 0.9, 0.95; decay 0.1)")
+    p.add_argument("--lr-warmup", type=int, default=10, help="steps of linear learning-rate warm-up from lr/N")
     p.add_argument("--seed", type=int, default=0, help="weights and batches")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="compute dtype (default bf16 GPU, fp32 CPU)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when there is one")
@@ -157,8 +158,7 @@ def main(argv=None) -> int:
     timer = kd.StepTimer(env, global_batch * seq_len, gpt_like.flops_per_token(seq_len), ceilings)
     say(
         f"{bench.device_name(env.device)} x {env.world_size} ({env.backend}), torch {torch.__version__}; "
-        f"{args.strategy}, model {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters on rank 0"
-        f"{' after sharding' if args.strategy == 'fsdp2' else ''}), impl {args.impl}, {dtype}, "
+        f"{args.strategy}, model {args.model} ({gpt_like.num_parameters():,} parameters), impl {args.impl}, {dtype}, "
         f"compile {args.compile}, checkpointing {args.checkpointing}; batch {batch} x {seq_len} per rank"
     )
 
@@ -170,6 +170,8 @@ def main(argv=None) -> int:
         step = start_step + i
         idx, targets = kd.shard_batch(*next(stream), env)
         idx, targets = idx.to(env.device, non_blocking=True), targets.to(env.device, non_blocking=True)
+        for group in optimizer.param_groups:  # a function of the step alone: a resumed run continues the schedule
+            group["lr"] = args.lr * min(1.0, (step + 1) / max(args.lr_warmup, 1))
         profiler = kd.profile_step(env) if i == args.profile_step else None
         timer.start()
         if profiler is not None:

@@ -71,6 +71,7 @@ __all__ = [
     "RunSummary",
     "save_checkpoint",
     "load_checkpoint",
+    "torchrun",
     "profile_step",
     "trace_kernels",
     "overlap",
@@ -324,9 +325,11 @@ def memory_model(
     ``seq_len`` tokens per rank, AdamW.
 
     States: "none" and "ddp" hold parameters, gradients and both moments in the compute dtype (b bytes each, 4 P b
-    in all); "fsdp2" holds them in float32, 1/N each (16 P / N), plus the gathered compute-dtype copies of the
-    root (embedding, head, final norm: gathered for the whole forward and backward) and of two blocks (the one
-    running and the one prefetched), and the gradients of those before their reduce-scatter.
+    in all), and DDP in low precision the float32 copies of its gradient buckets (4 P: ``fp32_allreduce_hook``
+    reduces them asynchronously, so the copies of all buckets are alive when backward ends); "fsdp2" holds them
+    in float32, 1/N each (16 P / N), plus the gathered compute-dtype copies of the root (embedding, head, final
+    norm: gathered for the whole forward and backward) and of two blocks (the one running and the one
+    prefetched), and the gradients of those before their reduce-scatter.
 
     Activations saved per token and block, in elements of the compute dtype (every tensor the block's autograd
     keeps; equal tensors counted once): the block's input and the attention's normed input (2 d), q, k, v (3 d),
@@ -352,6 +355,8 @@ def memory_model(
         optimizer = 8 * P / world_size
     else:
         parameters, gradients, optimizer = b * P, b * P, 2 * b * P
+        if strategy == "ddp" and b < 4:  # fp32_allreduce_hook: every bucket's float32 copy is in flight at the end
+            gradients += 4 * P
     tokens = batch * seq_len
     per_block = (8 * c.d_model + 3 * c.d_ff) * b + (2 + c.n_heads) * 4
     saved = c.n_layers * c.d_model * b + per_block if checkpointing else c.n_layers * per_block
@@ -495,6 +500,45 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer) ->
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return int(state["step"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Launching
+# --------------------------------------------------------------------------------------------------
+def torchrun(script, args, nproc: int = 1, env: Optional[dict] = None, timeout: float = 1800, echo: bool = True):
+    """Run ``script`` with ``args`` as torchrun would from a shell (``python -m torch.distributed.run --standalone
+    --nproc-per-node nproc``; plain ``python`` for one process) and return its output (stdout and stderr, the
+    ranks' lines interleaved), printed line by line as it comes when ``echo``. ``env``: variables to set or, with
+    value None, to remove, on top of this process's (a caller's own torchrun variables are removed: the child
+    starts its own group). Raises ``RuntimeError`` with the output's tail when the run fails."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd += [str(script), *map(str, args)]
+    child = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    for key, value in (env or {}).items():
+        if value is None:
+            child.pop(key, None)
+        else:
+            child[key] = str(value)
+    lines = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child) as proc:
+        start = time.monotonic()
+        for line in proc.stdout:
+            lines.append(line)
+            if echo:
+                print(line, end="", flush=True)
+            if time.monotonic() - start > timeout:
+                proc.kill()
+                raise RuntimeError(f"{' '.join(cmd)}: still running after {timeout:.0f} s; killed")
+        code = proc.wait()
+    out = "".join(lines)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {code}:\n{out[-4000:]}")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ and strategies. The helpers' arithmetic (bytes moved, memory model, overlap of a
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,14 +27,9 @@ COMMON = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--lr", "3e-3
 def _run(tmp: Path, name: str, ranks: int, *args: str) -> list[dict]:
     """Run the script (under torchrun when ranks > 1); its steps.csv rows, floats."""
     out = tmp / name
-    cmd = [sys.executable, str(SCRIPT)] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(SCRIPT),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["TRITON_INTERPRET"] = "1"  # CPU tensors: the Triton kernels run interpreted in every rank
-    cmd += [*COMMON, "--cache-dir", str(tmp / "cache"), "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    args = [*COMMON, "--cache-dir", tmp / "cache", "--out", out, *args]
+    # CPU tensors: the Triton kernels run interpreted in every rank
+    kd.torchrun(SCRIPT, args, ranks, env={"TRITON_INTERPRET": "1"}, timeout=600, echo=False)
     with open(out / "steps.csv") as f:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
@@ -72,6 +66,11 @@ def test_checkpoint_reshards_between_two_ranks_and_one(runs):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
     summary = json.loads((tmp / "part3" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
+
+
+def test_torchrun_reports_a_failed_run(tmp_path):
+    with pytest.raises(RuntimeError, match=r"exited with 2:[\s\S]*--steps must be at least 1"):
+        kd.torchrun(SCRIPT, ["--steps", "0"], 1, echo=False)
 
 
 def test_resume_from_a_folder_that_is_no_checkpoint_is_refused(tmp_path):
@@ -205,6 +204,8 @@ def test_memory_model_terms():
     P = sum(p.numel() for p in gpt.parameters())
     one = kd.memory_model(gpt, "none", 1, batch=4, seq_len=2048)
     assert (one.parameters, one.gradients, one.optimizer) == (2 * P, 2 * P, 4 * P)  # bf16 states, AdamW's two
+    ddp = kd.memory_model(gpt, "ddp", 2, batch=4, seq_len=2048)
+    assert ddp.gradients == 2 * P + 4 * P  # the float32 copies of the buckets, in flight
     c = gpt.config
     per_block = (8 * c.d_model + 3 * c.d_ff) * 2 + (2 + c.n_heads) * 4
     assert one.detail["saved_per_token"] == c.n_layers * per_block
