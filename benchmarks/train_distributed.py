@@ -201,7 +201,10 @@ def main(argv=None) -> int:
         say(line)
     prediction = None
     if args.impl == "kernel_lib" and not config.n_experts:
-        prediction = kd.memory_model(gpt_like, args.strategy, env.world_size, batch, seq_len, dtype, args.checkpointing)
+        prediction = kd.memory_model(
+            gpt_like, args.strategy, env.world_size, batch, seq_len, dtype, args.checkpointing,
+            reshard_after_forward=not args.no_reshard,
+        )  # fmt: skip
         predicted = prediction.total / 2**30
         measured = max(summary.peak_gib_per_rank)
         terms = ", ".join(f"{k.removesuffix('_gib')} {v:.2f}" for k, v in prediction.to_dict().items())

@@ -320,6 +320,7 @@ def memory_model(
     compute_dtype: torch.dtype = torch.bfloat16,
     checkpointing: bool = False,
     chunk_bytes: int = 2**29,
+    reshard_after_forward: bool = True,
 ) -> MemoryModel:
     """Bytes per rank at the peak of a step of a kernel_lib GPT (impl "kernel_lib", dense), ``batch`` sequences of
     ``seq_len`` tokens per rank, AdamW.
@@ -329,7 +330,8 @@ def memory_model(
     reduces them asynchronously, so the copies of all buckets are alive when backward ends); "fsdp2" holds them
     in float32, 1/N each (16 P / N), plus the gathered compute-dtype copies of the root (embedding, head, final
     norm: gathered for the whole forward and backward) and of two blocks (the one running and the one
-    prefetched), and the gradients of those before their reduce-scatter.
+    prefetched), and the gradients of those before their reduce-scatter; without ``reshard_after_forward``
+    every block's gathered copy stays from its forward to its backward.
 
     Activations saved per token and block, in elements of the compute dtype (every tensor the block's autograd
     keeps; equal tensors counted once): the block's input and the attention's normed input (2 d), q, k, v (3 d),
@@ -350,7 +352,8 @@ def memory_model(
     root = sum(p.numel() for name, p in gpt.named_parameters() if not name.startswith("blocks."))
     block = (P - root) / c.n_layers
     if strategy == "fsdp2":
-        parameters = 4 * P / world_size + b * (root + 2 * block)
+        gathered = root + (2 if reshard_after_forward else c.n_layers) * block
+        parameters = 4 * P / world_size + b * gathered
         gradients = 4 * P / world_size + b * (root + 2 * block)
         optimizer = 8 * P / world_size
     else:
