@@ -141,7 +141,10 @@ def init(device: Optional[str] = None, backend: Optional[str] = None) -> DistEnv
         dev = torch.device("cpu")
     backend = backend or ("nccl" if device_type == "cuda" else "gloo")
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        if dev.type == "cuda":  # bound to its GPU from the start: NCCL need not guess the device from the rank
+            dist.init_process_group(backend, rank=rank, world_size=world, device_id=dev)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world)
     return DistEnv(rank, world, local, dev, backend)
 
 
