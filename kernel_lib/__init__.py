@@ -12,7 +12,8 @@ Imported on demand (each needs more than torch and triton, or builds something):
 (a component or model against its original, outputs and gradients), :mod:`kernel_lib.assistant` (find, fix and
 prove optimizations on a model), :mod:`kernel_lib.search` (Monte Carlo graph search over kernel variants),
 :mod:`kernel_lib.models` (the course's GPT at each level, small models written the common way, the capstone's
-data and decoding), :mod:`kernel_lib.cuda` (RMSNorm and softmax in CUDA C++ as PyTorch operators).
+data and decoding), :mod:`kernel_lib.cuda` (RMSNorm and softmax in CUDA C++ as PyTorch operators),
+:mod:`kernel_lib.distributed` (DDP and FSDP2 through torchrun: wrapping, memory model, MFU, checkpoints).
 """
 
 from . import bench, validate

@@ -2,8 +2,10 @@
 
 The orchestrator hands a worker the path of a control file on its stdin and reads ``done <path>`` back; the
 result itself is the ``result.json`` the worker wrote. A worker that hangs past the timeout is killed (its
-process group, so a compiler it started goes too); one that dies is recorded as a crash. Either way the pool
-writes the failed result.json itself and starts a fresh process for the next evaluation: the search goes on.
+process group, so a compiler it started goes too); one that dies is recorded as a crash, marked ``"died": true``
+(the search then retries that evaluation once on another worker: a ``kill -9`` or a lost GPU is not the variant's
+fault). Either way the pool writes the failed result.json itself and starts a fresh process for the next
+evaluation: the search goes on. Every result the pool returns names its ``worker`` (the slot's index).
 
 Workers die with the orchestrator (``PR_SET_PDEATHSIG`` on Linux), so a ``kill -9`` of the search leaves no
 evaluation running that a resume would not know about.
@@ -82,7 +84,7 @@ class _Slot:
             self.proc.stdin.flush()
         except BrokenPipeError:
             self._kill()
-            return self._failed(control, result_path, "crash", "the worker process had exited", started)
+            return self._failed(control, result_path, "crash", "the worker process had exited", started, died=True)
         deadline = started + self.timeout
         while True:
             left = deadline - time.time()
@@ -97,15 +99,17 @@ class _Slot:
                 code = self.proc.wait()
                 self.proc = None
                 why = f"signal {-code}" if code < 0 else f"exit code {code}"
-                return self._failed(control, result_path, "crash", f"the worker process died ({why})", started)
+                reason = f"the worker process died ({why})"
+                return self._failed(control, result_path, "crash", reason, started, died=True)
             if line.strip() == f"done {control_path}":
                 try:
-                    return json.loads(Path(result_path).read_text())
+                    return {**json.loads(Path(result_path).read_text()), "worker": self.index}
                 except (OSError, json.JSONDecodeError) as exc:
                     return self._failed(control, result_path, "crash", f"unreadable result.json: {exc}", started)
 
-    def _failed(self, control: dict, path: str, status: str, reason: str, started: float) -> dict:
+    def _failed(self, control: dict, path: str, status: str, reason: str, started: float, died=False) -> dict:
         result = {"id": control["id"], "status": status, "reason": reason, "device": self.device}
+        result |= {"worker": self.index, "died": True} if died else {"worker": self.index}
         result["seconds"] = round(time.time() - started, 3)
         write_json(path, result)
         return result
@@ -145,21 +149,26 @@ class WorkerPool:
                 result = slot.evaluate(control_path)
             except Exception as exc:  # noqa: BLE001 - a bug here must not hang the search
                 result = {"status": "crash", "reason": f"pool error: {exc}", "device": slot.device}
+                result["worker"] = slot.index
             slot.busy = False
             self.done.put((tag, result))
 
-    def free(self) -> int:
-        return sum(not s.busy for s in self.slots)
+    def _free_slots(self, avoid: int | None = None, worker: int | None = None) -> list[_Slot]:
+        return [s for s in self.slots if not s.busy and s.index != avoid and worker in (None, s.index)]
+
+    def free(self, avoid: int | None = None, worker: int | None = None) -> int:
+        """Free workers; ``avoid``: not counting that one; ``worker``: that one alone (0 or 1)."""
+        return len(self._free_slots(avoid, worker))
 
     def in_flight(self) -> int:
         return sum(s.busy for s in self.slots)
 
-    def device(self) -> str:
-        free = next(s for s in self.slots if not s.busy)
-        return free.device
+    def device(self, avoid: int | None = None, worker: int | None = None) -> str:
+        return self._free_slots(avoid, worker)[0].device
 
-    def submit(self, control_path: str, tag) -> None:
-        slot = next(s for s in self.slots if not s.busy)
+    def submit(self, control_path: str, tag, avoid: int | None = None, worker: int | None = None) -> None:
+        """Hand ``control_path`` to a free worker (not ``avoid``; exactly ``worker`` if given)."""
+        slot = self._free_slots(avoid, worker)[0]
         slot.busy = True
         control = json.loads(Path(control_path).read_text())
         if control.get("device") != slot.device:  # a slot freed since the control file was written

@@ -9,7 +9,13 @@ One iteration (graph.py has the policy):
 4. **backpropagate** the reward along the path; the incumbent is the fastest correct variant so far.
 
 While workers are busy the loop selects again (in-flight nodes cannot be stepped on), so ``--gpus 0,1`` keeps two
-evaluations going. Every step is an event in ``events.jsonl`` before the state is replaced (store.py), so a killed
+evaluations going. With several workers, an evaluation whose worker process died (``kill -9``, a lost GPU) is
+retried once on another worker (event ``retried``) instead of counting as the variant's crash; and when the budget
+is spent, the three fastest correct variants are timed again one after another on worker 0 (event ``retimed``,
+a table in trace.md), and the fastest of those re-timings is the winner: timings taken on different GPUs, or while
+another worker loaded the machine, do not pick it.
+
+Every step is an event in ``events.jsonl`` before the state is replaced (store.py), so a killed
 run resumes where it stopped. The budget counts finished evaluations, the baseline included.
 """
 
@@ -78,6 +84,9 @@ class Search:
         self.baseline_source = spec.source_text()
         self.notes: list[str] = []
         self._bar = None
+        self.retry: list[tuple[str, int | None]] = []  # (node id, worker whose process died) to submit again
+        self.retried: set[str] = set()  # node ids retried once already
+        self.winner: dict | None = None  # after re-timing: {"id", "ms", "device"}
 
     # ---------------------------------------------------------------- files
     def _write_spec(self) -> str:
@@ -118,8 +127,18 @@ class Search:
         self.store.clear_result(variant.id, baseline)
         return path
 
-    def _submit(self, variant: Variant, baseline: bool = False) -> None:
-        self.evaluator.submit(self._prepare(variant, baseline), variant.id)
+    def _submit(self, variant: Variant, baseline: bool = False, avoid: int | None = None) -> None:
+        if avoid is None:
+            self.evaluator.submit(self._prepare(variant, baseline), variant.id)
+            return
+        control = self._control() | {"device": self.evaluator.device(avoid=avoid)}
+        path = self.store.write_variant(variant, self.spec.kind, control, self.baseline_source, baseline)
+        self.store.clear_result(variant.id, baseline)
+        self.evaluator.submit(path, variant.id, avoid=avoid)
+
+    def _workers(self) -> int:
+        """Real worker processes (0 for a table of measurements: nothing to retry or re-time)."""
+        return len(self.evaluator.slots) if isinstance(self.evaluator, WorkerPool) else 0
 
     # ---------------------------------------------------------------- state
     def _state(self) -> dict:
@@ -132,6 +151,7 @@ class Search:
             "last_seq": self.last_seq,
             "baseline": {"id": self.baseline_id, "ms": self.baseline_ms},
             "incumbent": None if inc is None else {"id": inc.id, "ms": inc.ms, "reward": inc.reward},
+            "winner": self.winner,
             "bottleneck": self.bottleneck,
             "move_priors": self.move_priors,
             "pending": self.pending,
@@ -375,6 +395,54 @@ class Search:
         self._event("resumed", evaluations=self.evaluations, pending=list(self.pending))
         self.store.trace(f"\n*Resumed at {_now()}: {self.evaluations} evaluations done, {len(self.pending)} re-run.*\n")
 
+    # ---------------------------------------------------------------- several workers
+    def _retry(self, node_id: str, result: dict) -> None:
+        """The worker died under this evaluation: run it once more, on another worker; it stays pending."""
+        self.retried.add(node_id)
+        worker = result.get("worker")
+        self._event("retried", id=node_id, worker=worker, device=result.get("device"), reason=result.get("reason"))
+        self.store.trace(f"- `{node_id}`: {result.get('reason')} on worker {worker}; retried once on another worker")
+        self.retry.append((node_id, worker))
+
+    def _retime(self, top: int = 3) -> None:
+        """Time the ``top`` fastest correct variants again, one after another on worker 0, and name the fastest
+        of those re-timings the winner (``state["winner"]``, the ``best`` folder). Each re-timing is a full
+        evaluation (correctness too) into the variant's ``retime.json``; it does not count against the budget."""
+        ranked = sorted((n for n in self.graph.nodes.values() if n.status == "ok" and n.ms), key=lambda n: n.ms)
+        if len(ranked) < 2:
+            return
+        where = {e["id"]: e.get("device") for e in self.store.events() if e["type"] in ("baseline", "evaluated")}
+        rows = []
+        for node in ranked[:top]:
+            baseline = node.id == self.baseline_id
+            folder = self.store.variant_dir(node.id, baseline)
+            control = json.loads((folder / "control.json").read_text())
+            control |= {"device": self.evaluator.device(worker=0), "result": str(folder / "retime.json")}
+            path = folder / "control-retime.json"
+            path.write_text(json.dumps(control, indent=1) + "\n")
+            self.evaluator.submit(str(path), node.id, worker=0)
+            [(_, result)] = self.evaluator.wait()
+            rows.append({
+                "id": node.id, "search_ms": node.ms, "search_device": where.get(node.id),
+                "status": result["status"], "retimed_ms": result.get("ms") if result["status"] == "ok" else None,
+            })  # fmt: skip
+        timed = [r for r in rows if r["retimed_ms"]]
+        if not timed:
+            return
+        best = min(timed, key=lambda r: r["retimed_ms"])
+        device = control["device"]
+        self.winner = {"id": best["id"], "ms": best["retimed_ms"], "device": device}
+        self._event("retimed", device=device, rows=rows, winner=best["id"])
+        self.store.set_best(best["id"], best["id"] == self.baseline_id)
+        lines = [f"\nRe-timed on worker 0 ({device}), one after another:\n",
+                 "| variant | search ms (device) | re-timed ms |", "|---|---|---|"]
+        for r in rows:
+            again = f"{r['retimed_ms']:.4g}" if r["retimed_ms"] else r["status"]
+            lines.append(f"| `{r['id']}` | {r['search_ms']:.4g} ({r['search_device']}) | {again} |")
+        lines.append(f"\nWinner: `{best['id']}`, {best['retimed_ms']:.4g} ms.")
+        self.store.trace("\n".join(lines))
+        self._save()
+
     # ---------------------------------------------------------------- run
     def run(self) -> SearchResult:
         self.store.append_run(
@@ -391,6 +459,10 @@ class Search:
             exhausted = False
             while self.evaluations < budget:
                 # pending, not the pool's busy count: a worker frees its slot just before its result is taken
+                for node_id, avoid in list(self.retry):  # counted in pending already: not against the budget
+                    if self.evaluator.free(avoid=avoid):
+                        self.retry.remove((node_id, avoid))
+                        self._submit(self._variant(node_id), avoid=avoid)
                 while self.evaluator.free() and self.evaluations + len(self.pending) - len(redo) < budget:
                     if redo:
                         node_id = redo.pop(0)
@@ -401,22 +473,28 @@ class Search:
                 if not self.pending:
                     break  # the reachable graph is fully explored
                 for node_id, result in self.evaluator.wait():
+                    if result.get("died") and node_id not in self.retried and self._workers() > 1:
+                        self._retry(node_id, result)
+                        continue
                     self._finish(node_id, result)
                     n = self.evaluations
                     if self.settings.ncu_every and n % self.settings.ncu_every == 0 and result["status"] == "ok":
                         self._profile(node_id)
                 exhausted = False
+            if self._workers() > 1:
+                self._retime()
         finally:
             if self._bar is not None:
                 self._bar.close()
             self.evaluator.close()
             self.tactics.save(self.store.tactics_path)
         inc = self.graph.incumbent()
-        self._event("finished", evaluations=self.evaluations, incumbent=inc.id if inc else None)
+        best_id, best_ms = (self.winner["id"], self.winner["ms"]) if self.winner else (inc.id, inc.ms)
+        self._event("finished", evaluations=self.evaluations, incumbent=inc.id if inc else None, winner=best_id)
         self._save()
         self.store.trace(
-            f"\nFinished {_now()}: {self.evaluations} evaluations; best `{inc.id}` "
-            f"{inc.ms:.4g} ms, {self.baseline_ms / inc.ms:.2f}x the baseline.\n"
+            f"\nFinished {_now()}: {self.evaluations} evaluations; best `{best_id}` "
+            f"{best_ms:.4g} ms, {self.baseline_ms / best_ms:.2f}x the baseline.\n"
         )
         return SearchResult.load(self.store.root)
 
@@ -484,7 +562,7 @@ class SearchResult:
         events = store.events()
         base = next(e for e in events if e["type"] == "baseline")
         state = store.load_state() or {}
-        inc = state.get("incumbent") or {"id": base["id"], "ms": base["ms"]}
+        inc = state.get("winner") or state.get("incumbent") or {"id": base["id"], "ms": base["ms"]}
         return SearchResult(Path(folder).name, str(folder), base["ms"], inc["id"], inc["ms"], events)
 
     def to_dataframe(self):
