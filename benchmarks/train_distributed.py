@@ -67,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048 GPU, 32 CPU)")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (betas 0.9, 0.95; decay 0.1)")
     p.add_argument("--lr-warmup", type=int, default=10, help="steps of linear learning-rate warm-up from lr/N")
+    p.add_argument("--adamw", choices=["fused", "foreach"], default="fused", help="AdamW implementation on a GPU")
     p.add_argument("--seed", type=int, default=0, help="weights and batches")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="compute dtype (default bf16 GPU, fp32 CPU)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when there is one")
@@ -114,8 +115,9 @@ def build(args, env: kd.DistEnv, dtype: torch.dtype):
         model, args.strategy, env, param_dtype=dtype if args.strategy == "fsdp2" else None,
         compile=args.compile, checkpointing=args.checkpointing, reshard_after_forward=not args.no_reshard,
     )  # fmt: skip
-    fused = True if env.device.type == "cuda" else None
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+    gpu = env.device.type == "cuda"
+    kind = {"fused": True} if gpu and args.adamw == "fused" else {"foreach": True} if gpu else {}
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **kind)
     return config, model, wrapped, optimizer
 
 
@@ -229,8 +231,9 @@ def write_files(args, env, dtype, batch, seq_len, rows, summary, prediction) -> 
     run = bench.environment(env.device) | {
         "label": args.label, "world_size": env.world_size, "strategy": args.strategy, "model": args.model,
         "impl": args.impl, "dtype": str(dtype).removeprefix("torch."), "compile": args.compile,
-        "checkpointing": args.checkpointing, "reshard": not args.no_reshard, "batch_per_rank": batch,
-        "seq_len": seq_len, "steps": args.steps, "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
+        "checkpointing": args.checkpointing, "reshard": not args.no_reshard, "adamw": args.adamw,
+        "batch_per_rank": batch, "seq_len": seq_len, "steps": args.steps,
+        "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
         "step_ms": summary.step_ms, "tokens_per_s": summary.tokens_per_s,
         "tokens_per_s_per_gpu": summary.tokens_per_s_per_gpu, "tflops_per_gpu": summary.tflops_per_gpu,
         "peak_gib_max": max(summary.peak_gib_per_rank),
