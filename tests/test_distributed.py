@@ -28,8 +28,9 @@ def _run(tmp: Path, name: str, ranks: int, *args: str) -> list[dict]:
     """Run the script (under torchrun when ranks > 1); its steps.csv rows, floats."""
     out = tmp / name
     args = [*COMMON, "--cache-dir", tmp / "cache", "--out", out, *args]
-    # CPU tensors: the Triton kernels run interpreted in every rank
-    kd.torchrun(SCRIPT, args, ranks, env={"TRITON_INTERPRET": "1"}, timeout=600, echo=False)
+    # The ranks inherit this session's TRITON_INTERPRET: set on a CPU machine (conftest), so the Triton kernels run
+    # interpreted in every rank; unset on a GPU machine, where CPU tensors take kernel_lib's references.
+    kd.torchrun(SCRIPT, args, ranks, timeout=600, echo=False)
     with open(out / "steps.csv") as f:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
