@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_distributed.py"
 STEPS = 10
 # tiny GPT (2 layers, d 64, vocabulary 512), float32, 4 sequences of 32 tokens per step in all; a learning rate
-# large enough that the loss moves by about 10% in 10 steps, so a wrong gradient average would show.
+# large enough that the loss moves by 3-5% in 10 steps (the corpus is this Python's library), so a wrong gradient
+# average would show.
 COMMON = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--lr", "3e-3", "--warmup", "1"]
 
 
@@ -45,7 +46,7 @@ def runs(tmp_path_factory):
 def test_two_ranks_train_like_one_process_of_the_global_batch(runs, strategy):
     tmp, single = runs
     two = _run(tmp, strategy, 2, "--strategy", strategy, "--batch", "2", "--steps", str(STEPS))
-    assert single[-1]["loss"] < 0.95 * single[0]["loss"]  # the run learns, so the comparison can fail
+    assert single[-1]["loss"] < 0.98 * single[0]["loss"]  # the run learns, so the comparison can fail
     for a, b in zip(single, two, strict=True):
         # float32, same weights and rows: only the order of the gradient sums differs between one and two ranks
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (strategy, a["step"])
