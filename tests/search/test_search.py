@@ -79,8 +79,10 @@ def test_bad_variants_from_a_language_model_never_become_the_incumbent(endpoint,
     endpoint.reply = (200, "Nothing more to try.", 0.0)  # after the replies: expansions fail, nothing is evaluated
     client = LLMClient("test-model", base_url=endpoint.url, api_key="none", timeout=10.0)
     budget = 1 + len(replies)
+    # 30 s an evaluation: a worker's first one includes its start (importing torch and triton) and Triton's compile,
+    # which took more than 10 s for the side-stream variant on a fresh GPU machine
     settings = Settings(
-        budget=budget, devices=[DEVICE, DEVICE], timeout=10.0, small=True, warmup_ms=1, rep_ms=5, progress=False
+        budget=budget, devices=[DEVICE, DEVICE], timeout=30.0, small=True, warmup_ms=1, rep_ms=5, progress=False
     )
     result = Search(tiny.spec(), str(tmp_path), settings, llm=client).run()
 
