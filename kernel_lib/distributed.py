@@ -291,17 +291,24 @@ def comm_bytes(
 
 @dataclass
 class MemoryModel:
-    """Predicted bytes held per rank at the peak of a training step (``memory_model``)."""
+    """Predicted bytes held per rank at the peak of a training step (``memory_model``).
+
+    ``total``: parameters and optimizer states are held throughout; gradients and activations trade places during
+    the backward (each block's gradients appear as its saved activations are freed), so the peak holds the larger of
+    the two, unless ``gradients_persist`` (DDP: its gradient buckets are allocated once and kept, and their float32
+    copies are made while earlier blocks' activations still wait), when it holds both."""
 
     parameters: float  # the rank's parameters, plus FSDP2's gathered copies of the layers in use
     gradients: float
     optimizer: float  # AdamW's two moments
     activations: float  # saved for backward, plus the largest temporary
+    gradients_persist: bool = False
     detail: dict = field(default_factory=dict)
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        both = self.gradients + self.activations if self.gradients_persist else max(self.gradients, self.activations)
+        return self.parameters + self.optimizer + both
 
     def to_dict(self) -> dict:
         gib = 2**30
@@ -370,7 +377,7 @@ def memory_model(
     chunk = min(chunk_bytes, tokens * c.vocab_size * b) + 2 * 4 * tokens
     activations = saved * tokens + loss_side + chunk
     detail = {"saved_per_token": saved, "loss_side": loss_side, "logits_chunk": chunk}
-    return MemoryModel(parameters, gradients, optimizer, activations, detail)
+    return MemoryModel(parameters, gradients, optimizer, activations, strategy == "ddp", detail)
 
 
 # --------------------------------------------------------------------------------------------------

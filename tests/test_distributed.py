@@ -206,8 +206,10 @@ def test_memory_model_terms():
     P = sum(p.numel() for p in gpt.parameters())
     one = kd.memory_model(gpt, "none", 1, batch=4, seq_len=2048)
     assert (one.parameters, one.gradients, one.optimizer) == (2 * P, 2 * P, 4 * P)  # bf16 states, AdamW's two
+    assert one.total == one.parameters + one.optimizer + max(one.gradients, one.activations)
     ddp = kd.memory_model(gpt, "ddp", 2, batch=4, seq_len=2048)
     assert ddp.gradients == 2 * P + 4 * P  # the float32 copies of the buckets, in flight
+    assert ddp.total == ddp.parameters + ddp.optimizer + ddp.gradients + ddp.activations  # buckets persist
     c = gpt.config
     per_block = (8 * c.d_model + 3 * c.d_ff) * 2 + (2 + c.n_heads) * 4
     assert one.detail["saved_per_token"] == c.n_layers * per_block

@@ -67,6 +67,7 @@ SIZES = {
     "125m": dict(vocab_size=32768, d_model=768, n_layers=12, n_heads=12),  # 135M; head dim 64, d_ff 2048
     "350m": dict(vocab_size=32768, d_model=1024, n_layers=24, n_heads=16),  # 375M; head dim 64, d_ff 2816
     "1b": dict(vocab_size=32768, d_model=2048, n_layers=16, n_heads=16),  # 956M; head dim 128, d_ff 5632
+    "7b": dict(vocab_size=32768, d_model=4096, n_layers=32, n_heads=32),  # 6.74B; head dim 128, d_ff 11008
     "tiny": dict(vocab_size=512, d_model=64, n_layers=2, n_heads=4),  # 0.1M: CPU runs, Triton interpreted
 }
 
