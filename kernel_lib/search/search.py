@@ -434,8 +434,11 @@ class Search:
         self.winner = {"id": best["id"], "ms": best["retimed_ms"], "device": device}
         self._event("retimed", device=device, rows=rows, winner=best["id"])
         self.store.set_best(best["id"], best["id"] == self.baseline_id)
-        lines = [f"\nRe-timed on worker 0 ({device}), one after another:\n",
-                 "| variant | search ms (device) | re-timed ms |", "|---|---|---|"]
+        lines = [
+            f"\nRe-timed on worker 0 ({device}), one after another:\n",
+            "| variant | search ms (device) | re-timed ms |",
+            "|---|---|---|",
+        ]
         for r in rows:
             again = f"{r['retimed_ms']:.4g}" if r["retimed_ms"] else r["status"]
             lines.append(f"| `{r['id']}` | {r['search_ms']:.4g} ({r['search_device']}) | {again} |")
