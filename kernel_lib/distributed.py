@@ -523,9 +523,12 @@ def torchrun(script, args, nproc: int = 1, env: Optional[dict] = None, timeout: 
     --nproc-per-node nproc``; plain ``python`` for one process) and return its output (stdout and stderr, the
     ranks' lines interleaved), printed line by line as it comes when ``echo``. ``env``: variables to set or, with
     value None, to remove, on top of this process's (a caller's own torchrun variables are removed: the child
-    starts its own group). Raises ``RuntimeError`` with the output's tail when the run fails."""
+    starts its own group). Raises ``RuntimeError`` with the output's tail when the run fails or is still running
+    after ``timeout`` seconds (then the launcher and every rank are killed)."""
+    import signal
     import subprocess
     import sys
+    import threading
 
     cmd = [sys.executable]
     if nproc > 1:
@@ -538,16 +541,28 @@ def torchrun(script, args, nproc: int = 1, env: Optional[dict] = None, timeout: 
         else:
             child[key] = str(value)
     lines = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child) as proc:
-        start = time.monotonic()
+    # its own process group, so that a timeout kills the ranks torchrun started too
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child, start_new_session=True
+    )
+
+    def pump():
         for line in proc.stdout:
             lines.append(line)
             if echo:
                 print(line, end="", flush=True)
-            if time.monotonic() - start > timeout:
-                proc.kill()
-                raise RuntimeError(f"{' '.join(cmd)}: still running after {timeout:.0f} s; killed")
-        code = proc.wait()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reader.join(5)
+        tail = "".join(lines)[-4000:]
+        raise RuntimeError(f"{' '.join(cmd)}: still running after {timeout:g} s; killed:\n{tail}") from None
+    reader.join()
     out = "".join(lines)
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {code}:\n{out[-4000:]}")

@@ -75,6 +75,13 @@ def test_torchrun_reports_a_failed_run(tmp_path):
         kd.torchrun(SCRIPT, ["--steps", "0"], 1, echo=False)
 
 
+def test_torchrun_kills_a_run_past_its_timeout(tmp_path):
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    with pytest.raises(RuntimeError, match=r"still running after 2 s; killed:\s+started"):
+        kd.torchrun(sleeper, [], 1, timeout=2, echo=False)
+
+
 def test_resume_from_a_folder_that_is_no_checkpoint_is_refused(tmp_path):
     model = nn.Linear(2, 2)
     with pytest.raises(FileNotFoundError, match="no .metadata"):
