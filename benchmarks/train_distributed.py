@@ -44,12 +44,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernel_lib import bench  # noqa: E402
-from kernel_lib import distributed as kd  # noqa: E402
-from kernel_lib.models import GPT, GPTConfig, batches, encode_corpus, to_hf_llama, train_tokenizer  # noqa: E402
-from kernel_lib.models.capstone import SIZES, datasheet_tflops  # noqa: E402
+from kernel_lib import bench
+from kernel_lib import distributed as kd
+from kernel_lib.models import GPT, GPTConfig, batches, encode_corpus, to_hf_llama, train_tokenizer
+from kernel_lib.models.capstone import SIZES, datasheet_tflops
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -523,8 +523,9 @@ def torchrun(script, args, nproc: int = 1, env: Optional[dict] = None, timeout: 
     --nproc-per-node nproc``; plain ``python`` for one process) and return its output (stdout and stderr, the
     ranks' lines interleaved), printed line by line as it comes when ``echo``. ``env``: variables to set or, with
     value None, to remove, on top of this process's (a caller's own torchrun variables are removed: the child
-    starts its own group). Raises ``RuntimeError`` with the output's tail when the run fails or is still running
-    after ``timeout`` seconds (then the launcher and every rank are killed)."""
+    starts its own group; ``PYTHONPATH`` leads with this kernel_lib's folder). Raises ``RuntimeError`` with the
+    output's tail when the run fails or is still running after ``timeout`` seconds (then the launcher and every
+    rank are killed)."""
     import signal
     import subprocess
     import sys
@@ -535,6 +536,9 @@ def torchrun(script, args, nproc: int = 1, env: Optional[dict] = None, timeout: 
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd += [str(script), *map(str, args)]
     child = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    # the ranks import the kernel_lib this process imported, installed or not
+    here = str(Path(__file__).resolve().parents[1])
+    child["PYTHONPATH"] = os.pathsep.join(p for p in (here, child.get("PYTHONPATH")) if p)
     for key, value in (env or {}).items():
         if value is None:
             child.pop(key, None)
