@@ -149,6 +149,28 @@ def test_ddp_fp32_hook_leaves_one_rank_gradients_unchanged(group_of_one):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
 
 
+def test_fp32_hook_averages_in_float32_and_writes_back(monkeypatch):
+    """The hook on a bfloat16 bucket, with a stand-in all-reduce that adds another rank's share: the bucket ends
+    holding the float32 average rounded once to bfloat16 (a hook that forgot to write back would leave it as it was)."""
+    mine = torch.randn(64).to(torch.bfloat16)
+    other = torch.randn(64)  # the other rank's gradient, as its float32 share arrives
+
+    def all_reduce(tensor, group=None, async_op=False):
+        tensor.add_(other / 2)
+        future = torch.futures.Future()
+        future.set_result([tensor])
+        return type("Work", (), {"get_future": lambda self: future})()
+
+    monkeypatch.setattr(kd.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(kd.dist, "get_world_size", lambda group=None: 2)
+    buffer = mine.clone()
+    bucket = type("Bucket", (), {"buffer": lambda self: buffer})()
+    out = kd.fp32_allreduce_hook("group", bucket).wait()
+    expected = (mine.float() / 2 + other / 2).to(torch.bfloat16)
+    assert out is buffer
+    torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "strategy, kwargs, error, words",
     [
