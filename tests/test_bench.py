@@ -104,6 +104,47 @@ def test_frames_and_plots():
     assert list(bench.timing_frame(timings).columns[:2]) == ["name", "median_ms"]
 
 
+def test_plot_style_keeps_legend_off_the_data_and_labels_the_ceiling():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    frame = bench.to_frame(
+        [{"impl": i, "n": 2**k, "gbps": k} for i in ("kernel_lib", "torch.compile") for k in range(4)]
+    )
+    ax = bench.plot_throughput(frame, "n", "gbps", "impl", ceiling=10.0)
+    ax.figure.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.x0 >= ax.get_window_extent().x1  # outside the axes, to the right
+    assert any("measured ceiling: 10" in t.get_text() for t in ax.texts)
+    colours = {line.get_label(): line.get_color() for line in ax.get_lines()}
+    assert colours["kernel_lib"] == bench.color("kernel_lib") != colours["torch.compile"]
+
+
+@pytest.mark.parametrize(
+    "label, same_as",
+    [
+        ("kernel_lib (Triton)", "kernel_lib"),  # ours keeps its colour whatever follows the name
+        ("torch.compile max-autotune", "torch.compile"),
+        ("Liger-Kernel", "liger"),
+        ("an unknown peer", "an unknown peer"),  # a stable spare colour, the same in every process
+    ],
+)
+def test_color_is_stable_per_implementation(label, same_as):
+    assert bench.color(label) == bench.color(same_as)
+
+
+def test_table_formats_numbers_for_reading():
+    rows = [
+        {"name": "eager", "tokens/s": 5489.2347, "n": 32.0, "err": float("nan")},
+        {"name": "ours", "tokens/s": 12.345, "n": 7, "err": 1e-4},
+    ]
+    t = bench.table(rows, {"name": "impl", "tokens/s": "tokens/s", "err": "error"}, formats={"error": ".1e"})
+    assert t.columns == ["impl", "tokens/s", "error"]  # picked, renamed, n left out
+    assert t.rows == [["eager", "5,489", "—"], ["ours", "12.3", "1.0e-04"]]
+    assert "<th>tokens/s</th>" in t._repr_html_() and "5,489" in repr(t)
+    assert bench.table([{"n": 32.0}]).rows == [["32"]]  # no 32.0000
+
+
 @pytest.mark.gpu
 def test_gpu_timing_and_ceilings():
     x = torch.randn(2**26, device="cuda")  # 256 MB, beyond any L2
@@ -294,3 +335,16 @@ def test_step_cost_and_kernel_profile_on_the_cpu():
     prof = bench.profile_kernels(step, "cpu", steps=2)
     assert prof.clock.startswith("cpu") and math.isnan(prof.busy_ms) and prof.kernels_per_step > 0
     assert any("mm" in name for name, _, _ in prof.top)
+
+
+@pytest.mark.parametrize("value, gpu, expected", [("full", True, True), ("small", True, False), ("full", False, False)])
+def test_full_sizes_follows_the_gpu_and_the_switch(monkeypatch, value, gpu, expected):
+    monkeypatch.setenv("KERNEL_COURSE_SIZES", value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert bench.full_sizes() is expected
+
+
+def test_full_sizes_rejects_a_typo(monkeypatch):
+    monkeypatch.setenv("KERNEL_COURSE_SIZES", "smal")
+    with pytest.raises(ValueError, match="'full' or 'small'"):
+        bench.full_sizes()
