@@ -573,15 +573,32 @@ def _float64(value):
     return value
 
 
-def _progress(items: list, desc: str, show: bool):
-    """``items`` behind a tqdm.auto progress bar when tqdm is installed and ``show``; the bare list otherwise."""
-    if not show:
-        return items
+def progress(iterable, **kwargs):
+    """``iterable`` behind a ``tqdm.auto`` bar (a widget in a notebook, text in a terminal); bare without tqdm."""
     try:
         from tqdm.auto import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc=desc, leave=False)
+    except ImportError:  # progress bars are a nicety
+        return iterable
+    return tqdm(iterable, **kwargs)
+
+
+def _progress(items: list, desc: str, show: bool):
+    return progress(items, desc=desc, leave=False) if show else items
+
+
+def show_source(obj) -> None:
+    """Print the source of a function or of a Triton kernel (jitted, autotuned or interpreted)."""
+    import inspect
+
+    while hasattr(obj, "fn"):  # autotuner -> jit function -> Python function
+        obj = obj.fn
+    print(inspect.getsource(obj))
+
+
+def sync(device: str | torch.device | None = None) -> None:
+    """Wait for everything queued on ``device`` (the default CUDA device; nothing to wait for on the CPU)."""
+    if _device_type(device) == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def sweep(

@@ -348,3 +348,10 @@ def test_full_sizes_rejects_a_typo(monkeypatch):
     monkeypatch.setenv("KERNEL_COURSE_SIZES", "smal")
     with pytest.raises(ValueError, match="'full' or 'small'"):
         bench.full_sizes()
+
+
+def test_notebook_helpers(capsys):
+    bench.show_source(bench.sync)  # a plain function; Triton kernels unwrap through .fn
+    assert capsys.readouterr().out.startswith("def sync(")
+    assert list(bench.progress(range(3), disable=True)) == [0, 1, 2]
+    bench.sync("cpu")  # nothing to wait for, and no error
