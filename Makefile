@@ -25,7 +25,7 @@ PIP_INSTALL = $(PYTHON) -m pip install $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) $(
 # them whatever of the Jupyter packages its Python lacks (pip keeps what is already installed).
 PY ?= 3.12
 WHEELHOUSE ?=
-JUPYTER_PACKAGES := nbval nbclient nbformat ipykernel ipywidgets tqdm pydantic openai
+JUPYTER_PACKAGES := nbval nbclient nbformat ipykernel ipywidgets tqdm pydantic openai pytest-xdist
 
 # Inductor's on-disk graph cache is keyed by the traced graph, not by the custom ops' schemas: a cache left by an
 # older checkout can replay a graph that calls an op with its old arguments. Each checkout keeps its own.
@@ -38,6 +38,32 @@ RUN = PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 JUPYTER_BOOK = $(PYTHON) -c 'import sys; from jupyter_book.cli.main import main; sys.exit(main())'
 PORT ?= 8000
 
+# Third-party JavaScript the built book needs (MathJax 3 for the formulas; RequireJS and the ipywidgets 8 HTML
+# manager for stored widgets), downloaded at build time from the npm registry at these exact versions, checked
+# against each tarball's sha512 (the registry's `dist.integrity`, in hex) and unpacked under _build/vendor/, which
+# is never committed. _config.yml's html_extra_path copies _build/vendor/html into the book as _static/vendor/, and
+# mathjax_path and nb_ipywidgets_js point there: the built book loads nothing from a CDN (make check-html proves it).
+NPM_REGISTRY ?= https://registry.npmjs.org
+VENDOR_DIR := _build/vendor
+VENDOR_OUT := $(VENDOR_DIR)/html/_static/vendor
+MATHJAX_VERSION := 3.2.2
+MATHJAX_SHA512 := 06df9249553c7811b6ef30a155ec0e89c62ced7b1db78d2a9b8f94a47c97ee4d3f3bd36588f73ec7bee4d7f144b0fb2328f64626fb5164cd6f3be81e5b43a11b
+HTML_MANAGER_VERSION := 1.0.15
+HTML_MANAGER_SHA512 := e6d841215eb298d8263d5387bf3c7e806cbc6522a649ace1b46c38fdce312435734611bd3d3790b118c5dc5513a29bc58bffd200178dcf5ca9e3b6c2ac9dc240
+REQUIREJS_VERSION := 2.3.7
+REQUIREJS_SHA512 := 0e8b931bc4f559a9c6a24e908e0d925ee08ccecccea34787787f610d9e58e31f097bef49077f077532d3e3f540f0e6948416b424f547274a72064335cfea43b3
+VENDOR_STAMP := $(VENDOR_DIR)/.mathjax-$(MATHJAX_VERSION)_html-manager-$(HTML_MANAGER_VERSION)_requirejs-$(REQUIREJS_VERSION)
+# fetch NAME VERSION SHA512: the npm tarball of NAME@VERSION, into $(VENDOR_DIR)/npm/ (kept there as a cache)
+define fetch_npm
+tgz=$(VENDOR_DIR)/npm/$(notdir $(1))-$(2).tgz; \
+if ! echo "$(3)  $$tgz" | sha512sum -c --status 2>/dev/null; then \
+  echo "vendor: downloading $(NPM_REGISTRY)/$(1)/-/$(notdir $(1))-$(2).tgz"; \
+  $(BASE_PYTHON) -c 'import sys, urllib.request; urllib.request.urlretrieve(*sys.argv[1:])' \
+    "$(NPM_REGISTRY)/$(1)/-/$(notdir $(1))-$(2).tgz" "$$tgz"; \
+  echo "$(3)  $$tgz" | sha512sum -c --quiet || { echo "vendor: $$tgz does not have the expected sha512"; rm -f "$$tgz"; exit 1; }; \
+fi
+endef
+
 ifdef OWN_VENV
 BOOK_ENV := $(VENV)/.installed-book
 DEV_ENV := $(VENV)/.installed-dev
@@ -47,7 +73,7 @@ DEV_ENV := install-dev-active
 endif
 
 .PHONY: help setup book serve test test-gpu execute bench lint format wheelhouse clean \
-        book-strict check-gpu jupyter-from-wheelhouse install-book-active install-dev-active
+        book-strict check-html vendor check-gpu jupyter-from-wheelhouse install-book-active install-dev-active
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST) \
@@ -76,7 +102,7 @@ setup: $(DEV_ENV) ## Create the environment (.venv unless PYTHON is given) with 
 	@$(PYTHON) -c 'import torch, triton; print(f"ready: torch {torch.__version__}, triton {triton.__version__}")'
 
 # ------------------------------------------------------------------------------------------------ the book
-book: $(BOOK_ENV) ## Build the HTML book from the notebooks' stored outputs (no GPU, no execution)
+book: $(BOOK_ENV) $(VENDOR_STAMP) ## Build the HTML book from the notebooks' stored outputs (no GPU, no execution)
 	$(RUN) $(JUPYTER_BOOK) build .
 	@echo "Open $(CURDIR)/_build/html/index.html (or run: make serve)"
 
@@ -84,16 +110,50 @@ serve: ## Serve the built book on http://127.0.0.1:$(PORT)
 	@test -f _build/html/index.html || { echo "no book built yet: run make book"; exit 1; }
 	$(PYTHON) -m http.server --directory _build/html --bind 127.0.0.1 $(PORT)
 
-book-strict: $(DEV_ENV)
+book-strict: $(DEV_ENV) $(VENDOR_STAMP)
 	rm -rf _build/html
 	$(RUN) $(JUPYTER_BOOK) build . --all -W -n --keep-going
 	$(PYTHON) tools/check_book.py
 
+vendor: $(VENDOR_STAMP) ## Download MathJax and the ipywidgets HTML manager (exact versions, sha512-checked) into _build/vendor
+
+$(VENDOR_STAMP): Makefile
+	rm -rf $(VENDOR_DIR)/html $(VENDOR_DIR)/unpack $(VENDOR_DIR)/.mathjax-*
+	mkdir -p $(VENDOR_DIR)/npm $(VENDOR_DIR)/unpack $(VENDOR_OUT)/mathjax $(VENDOR_OUT)/jupyter-widgets/html-manager $(VENDOR_OUT)/requirejs
+	@$(call fetch_npm,mathjax,$(MATHJAX_VERSION),$(MATHJAX_SHA512))
+	@$(call fetch_npm,@jupyter-widgets/html-manager,$(HTML_MANAGER_VERSION),$(HTML_MANAGER_SHA512))
+	@$(call fetch_npm,requirejs,$(REQUIREJS_VERSION),$(REQUIREJS_SHA512))
+	tar -xzf $(VENDOR_DIR)/npm/mathjax-$(MATHJAX_VERSION).tgz -C $(VENDOR_DIR)/unpack package/es5 package/LICENSE package/package.json
+	cp -R $(VENDOR_DIR)/unpack/package/es5/. $(VENDOR_DIR)/unpack/package/LICENSE $(VENDOR_DIR)/unpack/package/package.json $(VENDOR_OUT)/mathjax/
+	rm -rf $(VENDOR_DIR)/unpack/package
+	tar -xzf $(VENDOR_DIR)/npm/html-manager-$(HTML_MANAGER_VERSION).tgz -C $(VENDOR_DIR)/unpack package/dist package/package.json
+	cd $(VENDOR_DIR)/unpack/package/dist && rm -f *.map embed.js libembed-amd.js  # the page loads embed-amd.js only
+	cp -R $(VENDOR_DIR)/unpack/package/dist/. $(VENDOR_DIR)/unpack/package/package.json $(VENDOR_OUT)/jupyter-widgets/html-manager/
+	rm -rf $(VENDOR_DIR)/unpack/package
+	tar -xzf $(VENDOR_DIR)/npm/requirejs-$(REQUIREJS_VERSION).tgz -C $(VENDOR_DIR)/unpack package/require.js package/package.json
+	cp $(VENDOR_DIR)/unpack/package/require.js $(VENDOR_DIR)/unpack/package/package.json $(VENDOR_OUT)/requirejs/
+	rm -rf $(VENDOR_DIR)/unpack
+	@du -sh $(VENDOR_OUT)
+	touch $@
+
+# Headless Chromium: Debian's package is installed when no Chromium or Chrome is found (apt-get, as root or with sudo).
+CHROMIUM_NAMES := chromium chromium-browser google-chrome google-chrome-stable
+
+check-html: $(BOOK_ENV) ## Open every page of the built book in headless Chromium (offline): math, widgets, images, errors; screenshots in _build/screens
+	@if [ -z "$${CHROMIUM:-}" ] && ! command -v $(CHROMIUM_NAMES) >/dev/null 2>&1; then \
+	  echo "check-html: no Chromium found; installing Debian's chromium package (apt-get install -y chromium)"; \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium; \
+	fi
+	@if [ "$(FRESH_BOOK)" != 1 ]; then $(MAKE) --no-print-directory book; fi
+	$(PYTHON) tools/check_html.py --html _build/html --screens _build/screens
+
 # ------------------------------------------------------------------------------------------------ tests
-test: $(DEV_ENV) ## CPU suite: pytest, nbval over every notebook (Triton interpreted), strict book build
+test: $(DEV_ENV) ## CPU suite: pytest, nbval over every notebook (Triton interpreted), strict book build, check-html
 	$(RUN) TRITON_INTERPRET=1 $(PYTHON) -m pytest tests
 	$(RUN) TRITON_INTERPRET=1 $(PYTHON) -m pytest $(NBVAL) $(NOTEBOOKS)
 	$(MAKE) book-strict
+	$(MAKE) check-html FRESH_BOOK=1
 
 check-gpu:
 	@$(RUN) $(PYTHON) -c 'import torch, sys; ok = torch.cuda.is_available(); print(f"torch {torch.__version__}, GPU: {torch.cuda.get_device_name() if ok else None}"); sys.exit(0 if ok else "no CUDA GPU visible to $(PYTHON): use make test on a CPU machine")'
@@ -103,9 +163,13 @@ ifneq ($(WHEELHOUSE),)
 	$(PYTHON) -m pip install -q --no-index --find-links $(WHEELHOUSE) $(JUPYTER_PACKAGES)
 endif
 
-test-gpu: check-gpu jupyter-from-wheelhouse ## GPU suite with this machine's PyTorch: pytest (GPU tests too), strict nbval over every notebook
-	$(RUN) $(PYTHON) -m pytest tests
-	$(RUN) $(PYTHON) -m pytest $(NBVAL) $(NOTEBOOKS)
+# The GPU suite runs GPU_WORKERS pytest processes on the one GPU (Triton's and nvcc's compiles are CPU work;
+# test files stay whole, --dist loadfile). Its notebook pass runs every cell on the GPU at the CPU's sizes
+# (KERNEL_COURSE_SIZES=small, see bench.full_sizes): it proves they work; `make execute` stores the full runs.
+GPU_WORKERS ?= 6
+test-gpu: check-gpu jupyter-from-wheelhouse ## GPU suite: pytest (GPU tests too) and nbval over every notebook at small sizes, in parallel
+	$(RUN) $(PYTHON) -m pytest -n $(GPU_WORKERS) --dist loadfile tests
+	$(RUN) KERNEL_COURSE_SIZES=small $(PYTHON) -m pytest -n $(GPU_WORKERS) --dist loadfile $(NBVAL) $(NOTEBOOKS)
 
 execute: check-gpu jupyter-from-wheelhouse ## Re-execute every notebook in place on this GPU and record device and versions in its metadata
 	$(RUN) $(PYTHON) tools/execute_notebooks.py $(NOTEBOOKS)

@@ -9,7 +9,7 @@ closed themselves (``leave=False``, stored hidden) are dropped: a bar is only us
 stored widget renders as a blank gap where the widget manager is not loaded.
 
     python tools/execute_notebooks.py notebooks/00_measure_your_gpu.ipynb [...] [--timeout 1800]
-    python tools/execute_notebooks.py --progress-bars-only notebooks/*.ipynb   # just the progress-bar step
+    python tools/execute_notebooks.py --strip-progress notebooks/*.ipynb   # just the progress-bar step, in place
 """
 
 from __future__ import annotations
@@ -45,6 +45,19 @@ def _progress_bar_text(model_id: str, state: dict) -> str | None:
     return re.sub(r"\s+", " ", text).strip() + "\n"
 
 
+# tqdm's text form of a bar (its widget's text/plain repr): "desc:  40%|████      | 4/10 [00:01<00:02, 3.1it/s]"
+_TQDM_TEXT = re.compile(r"\d+%\|.*\|\s*\d+|\d+(?:\.\d+)?(?:it|s)/(?:s|it)\]")
+
+
+def _plain_progress_text(output) -> str | None:
+    """The text/plain form of a widget output whose model was not stored, if it is a progress bar; else None."""
+    text = output.get("data", {}).get("text/plain", "")
+    text = "".join(text) if isinstance(text, list) else text
+    if text and _TQDM_TEXT.search(text) and not text.lstrip().startswith(("VBox(", "HBox(", "interactive(")):
+        return text.rstrip("\n") + "\n"
+    return None
+
+
 def _referenced(model_ids: set, state: dict) -> set:
     """The models reachable from ``model_ids`` through their ``IPY_MODEL_`` references."""
     seen, todo = set(), list(model_ids)
@@ -68,6 +81,8 @@ def progress_bars_as_text(notebook) -> int:
         for output in cell.get("outputs", []):
             view = output.get("data", {}).get(WIDGET_VIEW)
             text = _progress_bar_text(view["model_id"], state) if view else None
+            if view and text is None and view.get("model_id") not in state:
+                text = _plain_progress_text(output)  # a bar whose widget state was not stored: keep its text form
             if text is None:
                 outputs.append(output)
                 if view:
@@ -122,7 +137,11 @@ def main() -> int:
     parser.add_argument("notebooks", nargs="+")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per cell")
     parser.add_argument(
-        "--progress-bars-only", action="store_true", help="only store the notebooks' progress bars as text; run nothing"
+        "--strip-progress",
+        "--progress-bars-only",
+        dest="progress_bars_only",
+        action="store_true",
+        help="only replace the stored progress-bar widgets (tqdm) by their text, in place; execute nothing",
     )
     parser.add_argument(
         "--failed-to", metavar="DIR", help="write a notebook that raises, with its outputs so far, into DIR"
