@@ -154,6 +154,8 @@ def main() -> int:
             nbformat.write(notebook, path)
             print(f"{path}: {count} progress bars stored as text")
         return 0
+    if os.environ.get("KERNEL_COURSE_SIZES", "full") != "full":  # the book stores full runs only
+        parser.error("KERNEL_COURSE_SIZES is set: the stored outputs must come from the full sizes (unset it)")
     env = environment()
     print(f"executing on {env['device']} with torch {env['torch']}, triton {env['triton']}")
     for path in args.notebooks:
