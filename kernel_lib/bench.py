@@ -782,7 +782,6 @@ def plot_throughput(
     xlabel: str | None = None,
     ylabel: str | None = None,
     title: str | None = None,
-    legend: bool = True,
 ):
     """Lines of ``y`` against ``x`` for each value of ``by``, with the measured ceiling drawn and labelled."""
     ax = _axes(ax)
@@ -800,8 +799,7 @@ def plot_throughput(
     ax.set_ylabel(ylabel or y)
     if title:
         ax.set_title(title)
-    if legend:
-        legend_outside(ax)
+    legend_outside(ax)
     return ax
 
 

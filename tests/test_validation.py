@@ -52,38 +52,34 @@ class NaNOutput(Affine):
         return x @ self.weight.T + self.bias + poison
 
 
-class _FlipBackward(torch.autograd.Function):
-    """The identity forward, -grad backward: the output is right, the input gradient is not."""
+def identity_with_backward(backward):
+    """The identity as an autograd function whose backward is ``backward(grad)``: a right output, a chosen gradient."""
 
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return -grad
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad)
+
+    return Identity.apply
+
+
+flip_backward = identity_with_backward(lambda grad: -grad)  # the input gradient is wrong
+# averages over the batch: right only when every row's gradient is the same
+batch_mean_backward = identity_with_backward(lambda grad: grad.mean(0, keepdim=True).expand_as(grad))
 
 
 class SignFlipBackward(Affine):
     def forward(self, x):
-        return _FlipBackward.apply(x) @ self.weight.T + self.bias
-
-
-class _BatchMeanBackward(torch.autograd.Function):
-    """The identity forward; backward averages over the batch: right only when every row's gradient is the same."""
-
-    @staticmethod
-    def forward(ctx, y):
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.mean(0, keepdim=True).expand_as(grad)
+        return flip_backward(x) @ self.weight.T + self.bias
 
 
 class BatchMeanBackward(Affine):
     def forward(self, x):
-        return _BatchMeanBackward.apply(x @ self.weight.T + self.bias)
+        return batch_mean_backward(x @ self.weight.T + self.bias)
 
 
 class WritesIntoItsInput(Affine):

@@ -11,29 +11,11 @@
   looping over edges, a recommender looping over features), for the assistant to work on code nobody here tuned.
 """
 
-from .data import batches, encode_corpus, fixed_batch, stdlib_files, train_tokenizer, train_val_split
-from .generate import GraphedDecoder, greedy, to_hf_llama
-from .gpt import GPT, GPTConfig, KVCache, kv_bucket, naive_layout, transfer_weights
-from .zoo import EdgeLoopGNN, EmbeddingLoopRecommender, gnn_inputs, recommender_inputs
+from . import data, generate, gpt, zoo
+from .data import *  # noqa: F403
+from .generate import *  # noqa: F403
+from .gpt import *  # noqa: F403
+from .zoo import *  # noqa: F403
 
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "transfer_weights",
-    "naive_layout",
-    "KVCache",
-    "kv_bucket",
-    "greedy",
-    "GraphedDecoder",
-    "to_hf_llama",
-    "stdlib_files",
-    "train_tokenizer",
-    "encode_corpus",
-    "train_val_split",
-    "batches",
-    "fixed_batch",
-    "EdgeLoopGNN",
-    "gnn_inputs",
-    "EmbeddingLoopRecommender",
-    "recommender_inputs",
-]
+# each submodule's public names, as its own __all__ lists them
+__all__ = [*gpt.__all__, *generate.__all__, *data.__all__, *zoo.__all__]

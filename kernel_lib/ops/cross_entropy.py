@@ -42,18 +42,13 @@ FWD_BLOCK_V, FWD_WARPS = 2048, 1
 BWD_BLOCK_V, BWD_WARPS = 16384, 16
 
 
-def cross_entropy_ref(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-) -> torch.Tensor:
-    """The definition: ``F.cross_entropy`` on logits upcast to float32 (float64 stays float64)."""
+def cross_entropy_ref(logits: torch.Tensor, target: torch.Tensor, **options) -> torch.Tensor:
+    """The definition: ``F.cross_entropy`` on logits upcast to float32 (float64 stays float64).
+
+    ``options`` are F.cross_entropy's (``ignore_index``, ``reduction``, ``label_smoothing``), passed as they are.
+    """
     compute = torch.promote_types(logits.dtype, torch.float32)
-    return torch.nn.functional.cross_entropy(
-        logits.to(compute), target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
-    )
+    return torch.nn.functional.cross_entropy(logits.to(compute), target, **options)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,7 +244,9 @@ def cross_entropy(
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not use_triton(logits, op="cross_entropy"):  # CPU without the interpreter: the reference, differentiated
-        return cross_entropy_ref(logits, target, ignore_index, reduction, label_smoothing)
+        return cross_entropy_ref(
+            logits, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+        )
     target = target.contiguous()
     rows = _CrossEntropyRows.apply(logits, target, int(ignore_index), float(label_smoothing))
     if reduction == "none":

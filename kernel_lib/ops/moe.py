@@ -186,19 +186,16 @@ def _gather_op(src: torch.Tensor, index: torch.Tensor, scale: Optional[torch.Ten
     return _gather_rows(src, index, scale)
 
 
-@_gather_op.register_fake
-def _(src, index, scale):
-    return src.new_empty((index.shape[0], src.shape[1]))
-
-
 @torch.library.custom_op("kernel_lib::moe_combine", mutates_args=())
 def _combine_op(src: torch.Tensor, pos: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
     return _combine_rows(src, pos, weight)
 
 
+@_gather_op.register_fake
 @_combine_op.register_fake
-def _(src, pos, weight):
-    return src.new_empty((pos.shape[0], src.shape[1]))
+def _(src, index, _weights):
+    # both write one row of src's width per row of their index (the gather's rows, the combine's tokens)
+    return src.new_empty((index.shape[0], src.shape[1]))
 
 
 @torch.library.custom_op("kernel_lib::moe_combine_weight_grad", mutates_args=())

@@ -36,9 +36,9 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "int8", "uint8", "bool")
 INITS = ("randn", "uniform", "zeros", "ones", "full", "arange", "randint", "file")
@@ -125,6 +125,8 @@ class _Model(BaseModel):
 
 
 Dim = Union[int, str]
+_V = TypeVar("_V")
+Exprs = Annotated[_V, AfterValidator(check_expressions)]  # a field whose strings are expressions, checked on load
 
 
 class TensorSpec(_Model):
@@ -138,8 +140,8 @@ class TensorSpec(_Model):
     low: float = 0.0  # uniform and randint bounds
     high: float = 1.0
     value: float | None = None  # full
-    start: Union[float, str] = 0.0  # arange: start + step * i, flattened (numbers or expressions over sizes)
-    step: Union[float, str] = 1.0
+    start: Exprs[Union[float, str]] = 0.0  # arange: start + step * i, flattened (numbers or expressions over sizes)
+    step: Exprs[Union[float, str]] = 1.0
     file: str | None = None  # init "file": a tensor saved by save_tensors (zlib), relative to the spec
 
     @field_validator("shape")
@@ -151,11 +153,6 @@ class TensorSpec(_Model):
             elif dim < 0:
                 raise ValueError(f"negative dimension {dim}")
         return shape
-
-    @field_validator("start", "step")
-    @classmethod
-    def _arange_expr(cls, value):
-        return check_expressions(value)
 
     @model_validator(mode="after")
     def _init_args(self):
@@ -169,18 +166,13 @@ class TensorSpec(_Model):
 class Launch(_Model):
     """How to launch: Triton grid and meta-parameters, or CUDA grid, block and dynamic shared memory."""
 
-    grid: str
+    grid: Exprs[str]
     num_warps: int = 4
     num_stages: int = 1
-    constexprs: dict[str, Union[int, bool, str]] = Field(default_factory=dict)  # str: an expression
-    block: str | None = None  # CUDA: threads per block, e.g. "(BLOCK,)"
-    shared_mem: Union[int, str] = 0  # CUDA: dynamic shared memory bytes
+    constexprs: Exprs[dict[str, Union[int, bool, str]]] = Field(default_factory=dict)  # str: an expression
+    block: Exprs[str | None] = None  # CUDA: threads per block, e.g. "(BLOCK,)"
+    shared_mem: Exprs[Union[int, str]] = 0  # CUDA: dynamic shared memory bytes
     args: list[str] | None = None  # CUDA: the kernel's parameters in order
-
-    @field_validator("grid", "block", "shared_mem", "constexprs")
-    @classmethod
-    def _expr(cls, value):
-        return check_expressions(value)
 
     @field_validator("num_warps")
     @classmethod
@@ -227,14 +219,14 @@ class KernelSpec(_Model):
     small_sizes: dict[str, int] = Field(default_factory=dict)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
-    scalars: dict[str, Union[int, float, bool, str]] = Field(default_factory=dict)
+    scalars: Exprs[dict[str, Union[int, float, bool, str]]] = Field(default_factory=dict)
     launch: Launch
     tunable: dict[str, list[int]] = Field(default_factory=dict)
     tails: dict[str, str] = Field(default_factory=dict)  # block constexpr -> the size it tiles (pad_tail_and_mask)
     package: str | None = None  # the package the source's relative imports refer to (e.g. kernel_lib.ops)
     reference: Reference
-    bytes: str | None = None
-    flops: str | None = None
+    bytes: Exprs[str | None] = None
+    flops: Exprs[str | None] = None
     description: str = ""
     path: str | None = Field(default=None, exclude=True)  # where it was loaded from (set by load_spec)
 
@@ -244,11 +236,6 @@ class KernelSpec(_Model):
         if not name or not all(c.isalnum() or c in "_-." for c in name):
             raise ValueError(f"use letters, digits, '_', '-' or '.', got {name!r}")
         return name
-
-    @field_validator("scalars", "bytes", "flops")
-    @classmethod
-    def _exprs(cls, value):
-        return check_expressions(value)
 
     @field_validator("tunable")
     @classmethod

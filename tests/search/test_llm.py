@@ -39,14 +39,7 @@ GOOD_DIFF = """--- a/kernel_module.py
 +    x = tl.load(x_ptr + offs, mask=mask, cache_modifier=".cg")
      tl.store(y_ptr + offs, x * 2.0, mask=mask)
 """
-STALE_DIFF = """--- a/kernel_module.py
-+++ b/kernel_module.py
-@@ -9,3 +9,3 @@
-     mask = offs < N_ELEMENTS
--    x = tl.load(x_ptr + offs, mask=mask)
-+    x = tl.load(x_ptr + offs, mask=mask, cache_modifier=".cg")
-     tl.store(y_ptr + offs, x * 2.0, mask=mask)
-"""
+STALE_DIFF = GOOD_DIFF.replace("offs < n\n", "offs < N_ELEMENTS\n")  # a context line the source no longer has
 
 
 def make_spec(kind: str = "triton"):

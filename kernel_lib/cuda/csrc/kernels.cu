@@ -324,10 +324,17 @@ __device__ MaxSum block_reduce(MaxSum v, float2* smem) {  // blockDim.y == 1; sm
 // =====================================================================================================================
 // Kernel arguments (one struct per op, passed by value)
 // =====================================================================================================================
+// An input of (rows, D), unit stride along D, any row stride: the same layout as a pointer and a stride side by side.
+template <typename T>
+struct Rows {
+  const T* data;   // row 0
+  int64_t stride;  // elements between the starts of consecutive rows
+  __device__ __forceinline__ const T* row(int64_t r) const { return data + r * stride; }
+};
+
 template <typename T>
 struct NormFwd {
-  const T* x;        // input rows (rows, D), unit stride along D
-  int64_t x_stride;  // elements between the starts of consecutive rows of x
+  Rows<T> x;         // input rows (rows, D)
   const T* w;        // weight (D,)
   T* y;              // output (rows, D), contiguous
   float* rstd;       // output (rows,): 1 / sqrt(mean(x^2) + eps), saved for backward
@@ -339,8 +346,7 @@ struct NormFwd {
 
 template <typename T>
 struct SoftmaxFwd {
-  const T* x;        // input rows (rows, D), unit stride along D
-  int64_t x_stride;  // elements between row starts of x
+  Rows<T> x;         // input rows (rows, D)
   T* y;              // output (rows, D), contiguous
   int64_t rows;      // number of rows
   int D;             // row width
@@ -348,10 +354,8 @@ struct SoftmaxFwd {
 
 template <typename T>
 struct NormBwd {
-  const T* dy;             // upstream gradient (rows, D), unit stride along D
-  int64_t dy_stride;       // elements between row starts of dy
-  const T* x;              // forward input (rows, D), unit stride along D
-  int64_t x_stride;        // elements between row starts of x
+  Rows<T> dy;              // upstream gradient (rows, D)
+  Rows<T> x;               // forward input (rows, D)
   const T* w;              // weight (D,)
   const float* rstd;       // (rows,) saved by the forward
   T* dx;                   // output (rows, D), contiguous
@@ -365,14 +369,122 @@ struct NormBwd {
 
 template <typename T>
 struct SoftmaxBwd {
-  const T* y;         // forward output (rows, D), unit stride along D
-  int64_t y_stride;   // elements between row starts of y
-  const T* dy;        // upstream gradient (rows, D), unit stride along D
-  int64_t dy_stride;  // elements between row starts of dy
+  Rows<T> y;          // forward output (rows, D)
+  Rows<T> dy;         // upstream gradient (rows, D)
   T* dx;              // output (rows, D), contiguous
   int64_t rows;       // number of rows
   int D;              // row width
 };
+
+// =====================================================================================================================
+// Row helpers: one block per row, and the registers layout (thread t holds the VPT vectors of N elements at columns
+// begin + (t + i * blockDim.x) * N, i < VPT, in v[i]: each warp-wide access is contiguous)
+// =====================================================================================================================
+
+// Row `row` of an input and of a contiguous output, and whether each allows 128-bit accesses (16-byte aligned start).
+template <typename T>
+struct RowIO {
+  const T* in;
+  T* out;
+  bool in_vec, out_vec;
+};
+template <typename T>
+__device__ __forceinline__ RowIO<T> row_io(const Rows<T>& in, T* out, int D, int64_t row) {
+  const T* in_row = in.row(row);
+  T* out_row = out + row * D;
+  return {in_row, out_row, aligned16(in_row), aligned16(out_row)};
+}
+
+// A registers kernel's row: blockDim.y rows per block. A block's last rows may be past the end: they address row 0
+// with no columns (end = 0), so they load nothing, and store nothing.
+struct RegRow {
+  int64_t index;  // blockIdx.x * blockDim.y + threadIdx.y
+  bool valid;     // index < rows
+  int64_t read;   // the row to address: index, or 0 past the end
+  int end;        // columns to load: D, or 0 past the end
+};
+__device__ __forceinline__ RegRow reg_row(int64_t rows, int D) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool valid = row < rows;
+  return {row, valid, valid ? row : 0, valid ? D : 0};
+}
+
+// A thread's vectors of columns [begin, end) of a row, `fill` past end (load_vectors in the registers layout).
+template <int VPT, int N, typename T>
+__device__ __forceinline__ void load_slice(const T* row, int begin, int end, float fill, float (&v)[VPT][N]) {
+  load_vectors<VPT, N>(row, begin + threadIdx.x * N, blockDim.x * N, end, aligned16(row), fill, v);
+}
+
+// reg_row's row of x into registers.
+template <int VPT, int N, typename T>
+__device__ __forceinline__ RegRow load_reg_row(const Rows<T>& x, int64_t rows, int D, float fill, float (&v)[VPT][N]) {
+  const RegRow r = reg_row(rows, D);
+  load_slice(x.row(r.read), 0, r.end, fill, v);
+  return r;
+}
+
+// v * scale rounded to T into a thread's vectors of columns [begin, end) of a row (softmax's output).
+template <int VPT, int N, typename T>
+__device__ __forceinline__ void store_slice(T* row, int begin, int end, float scale, float (&v)[VPT][N]) {
+  const bool vec_ok = aligned16(row);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[i][j] *= scale;
+    store_n<N>(row, begin + (threadIdx.x + i * blockDim.x) * N, end, vec_ok, v[i]);
+  }
+}
+
+// The sum of a[i][j] * b[i][j] over a thread's registers, in loop order (RMSNorm: a = b = x).
+template <int VPT, int N>
+__device__ __forceinline__ float dot_regs(const float (&a)[VPT][N], const float (&b)[VPT][N]) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) s += a[i][j] * b[i][j];
+  return s;
+}
+
+template <int VPT, int N>
+__device__ __forceinline__ float max_regs(const float (&v)[VPT][N]) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) m = fmaxf(m, v[i][j]);
+  return m;
+}
+
+// v = exp(v - shift) in place, kept for the output; returns the sum of the new values.
+template <typename T, int VPT, int N>
+__device__ __forceinline__ float exp_regs(float (&v)[VPT][N], float shift) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) s += (v[i][j] = exp_for<T>(v[i][j] - shift));
+  return s;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// A cluster block's part of a row (sm_90+): the C blocks of a cluster share row blockIdx.x / C; block `rank` holds
+// columns [begin, end), from rank * slice, in registers.
+struct ClusterSlice {
+  int C, rank;     // blocks in the cluster, this block's rank
+  int64_t row;     // the row
+  int begin, end;  // this block's columns
+};
+template <int VPT, int N, typename T>
+__device__ __forceinline__ ClusterSlice load_cluster_slice(const cg::cluster_group& cluster, const Rows<T>& x, int D,
+                                                           int slice, float fill, float (&v)[VPT][N]) {
+  const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  const int begin = rank * slice;
+  const ClusterSlice s{C, rank, blockIdx.x / C, begin, min(D, begin + slice)};
+  load_slice(x.row(s.row), s.begin, s.end, fill, v);
+  return s;
+}
+#endif
 
 // =====================================================================================================================
 // RMSNorm forward
@@ -384,7 +496,7 @@ template <typename T>
 __global__ void rms_norm_fwd_naive_kernel(const NormFwd<T> p) {
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= p.rows) return;
-  const T* xr = p.x + row * p.x_stride;
+  const T* xr = p.x.row(row);
   double ss = 0.0;  // one thread adds D squares in a row: in float32 the error grows with D (7x PyTorch's at 4097)
   for (int c = 0; c < p.D; ++c) {
     const float v = static_cast<float>(xr[c]);
@@ -404,14 +516,13 @@ template <typename T, Reduce R, int N>
 __global__ void __launch_bounds__(1024) rms_norm_fwd_rows_kernel(const NormFwd<T> p) {
   extern __shared__ float smem[];
   const int64_t row = blockIdx.x;
-  const T* xr = p.x + row * p.x_stride;
-  T* yr = p.y + row * p.D;
-  const bool xv = aligned16(xr), yv = aligned16(yr), wv = aligned16(p.w);
+  const RowIO<T> io = row_io(p.x, p.y, p.D, row);
+  const bool wv = aligned16(p.w);
   const int step = blockDim.x * N;
   float ss = 0.f;
   for (int c = threadIdx.x * N; c < p.D; c += step) {
     float f[N];
-    load_n<N>(xr, c, p.D, xv, 0.f, f);
+    load_n<N>(io.in, c, p.D, io.in_vec, 0.f, f);
 #pragma unroll
     for (int j = 0; j < N; ++j) ss += f[j] * f[j];
   }
@@ -420,11 +531,11 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_rows_kernel(const NormFwd<T
   if (threadIdx.x == 0) p.rstd[row] = r;
   for (int c = threadIdx.x * N; c < p.D; c += step) {
     float f[N], wf[N];
-    load_n<N>(xr, c, p.D, xv, 0.f, f);
+    load_n<N>(io.in, c, p.D, io.in_vec, 0.f, f);
     load_n<N>(p.w, c, p.D, wv, 0.f, wf);
 #pragma unroll
     for (int j = 0; j < N; ++j) f[j] = f[j] * r * wf[j];
-    store_n<N>(yr, c, p.D, yv, f);
+    store_n<N>(io.out, c, p.D, io.out_vec, f);
   }
 }
 
@@ -435,23 +546,13 @@ template <typename T, int VPT>
 __global__ void __launch_bounds__(1024) rms_norm_fwd_registers_kernel(const NormFwd<T> p) {
   constexpr int N = kVec<T>;
   __shared__ float red[kMaxRowsPerBlock * 32];
-  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool valid = row < p.rows;  // a block's last rows may be past the end: they load nothing, store nothing
-  const int end = valid ? p.D : 0;
-  const T* xr = p.x + (valid ? row : 0) * p.x_stride;
-  const bool xv = aligned16(xr);
   float v[VPT][N];
-load_vectors<VPT, N>(xr, threadIdx.x * N, blockDim.x * N, end, xv, 0.f, v);
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) ss += v[i][j] * v[i][j];
-  ss = block_reduce_warp(ss, Sum{}, red);
-  if (!valid) return;  // after the last barrier
+  const RegRow row = load_reg_row(p.x, p.rows, p.D, 0.f, v);
+  const float ss = block_reduce_warp(dot_regs(v, v), Sum{}, red);
+  if (!row.valid) return;  // after the last barrier
   const float r = 1.f / sqrtf(ss * p.inv_D + p.eps);
-  if (threadIdx.x == 0) p.rstd[row] = r;
-  store_scaled<VPT, N>(p.y + row * p.D, p.w, threadIdx.x * N, blockDim.x * N, p.D, r, v);
+  if (threadIdx.x == 0) p.rstd[row.index] = r;
+  store_scaled<VPT, N>(p.y + row.index * p.D, p.w, threadIdx.x * N, blockDim.x * N, p.D, r, v);
 }
 
 // Step 4 for rows wider than a block (Hopper, sm_90+). A cluster of C blocks per row (grid: rows * C, cluster dims
@@ -466,28 +567,17 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_cluster_kernel(const NormFw
   __shared__ float red[32];
   __shared__ float part;
   const cg::cluster_group cluster = cg::this_cluster();
-  const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
-  const int64_t row = blockIdx.x / C;
-  const int begin = rank * slice, end = min(p.D, begin + slice);
-  const T* xr = p.x + row * p.x_stride;
-  const bool xv = aligned16(xr);
   float v[VPT][N];
-load_vectors<VPT, N>(xr, begin + threadIdx.x * N, blockDim.x * N, end, xv, 0.f, v);
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) ss += v[i][j] * v[i][j];
-  ss = block_reduce_warp(ss, Sum{}, red);
+  const ClusterSlice s = load_cluster_slice(cluster, p.x, p.D, slice, 0.f, v);
+  const float ss = block_reduce_warp(dot_regs(v, v), Sum{}, red);
   if (threadIdx.x == 0) part = ss;
   cluster.sync();  // every block's partial written and visible
   float total = 0.f;
-  for (int q = 0; q < C; ++q) total += *cluster.map_shared_rank(&part, q);
+  for (int q = 0; q < s.C; ++q) total += *cluster.map_shared_rank(&part, q);
   cluster.barrier_arrive();  // done reading the others' shared memory
   const float r = 1.f / sqrtf(total * p.inv_D + p.eps);
-  if (rank == 0 && threadIdx.x == 0) p.rstd[row] = r;
-  T* yr = p.y + row * p.D;
-  store_scaled<VPT, N>(yr, p.w, begin + threadIdx.x * N, blockDim.x * N, end, r, v);
+  if (s.rank == 0 && threadIdx.x == 0) p.rstd[s.row] = r;
+  store_scaled<VPT, N>(p.y + s.row * p.D, p.w, s.begin + threadIdx.x * N, blockDim.x * N, s.end, r, v);
   cluster.barrier_wait();  // no block exits while another may still read its `part`
 #else
   __trap();  // the host launches this only for a binary built for sm_90+
@@ -503,7 +593,7 @@ template <typename T>
 __global__ void softmax_fwd_naive_kernel(const SoftmaxFwd<T> p) {
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= p.rows) return;
-  const T* xr = p.x + row * p.x_stride;
+  const T* xr = p.x.row(row);
   float m = -INFINITY;
   for (int c = 0; c < p.D; ++c) m = fmaxf(m, static_cast<float>(xr[c]));
   double s = 0.0;  // a sequential sum of D terms: float32 would lose accuracy as D grows (see the RMSNorm above)
@@ -518,15 +608,12 @@ __global__ void softmax_fwd_naive_kernel(const SoftmaxFwd<T> p) {
 template <typename T, Reduce R, int N>
 __global__ void __launch_bounds__(1024) softmax_fwd_rows_kernel(const SoftmaxFwd<T> p) {
   extern __shared__ float smem[];
-  const int64_t row = blockIdx.x;
-  const T* xr = p.x + row * p.x_stride;
-  T* yr = p.y + row * p.D;
-  const bool xv = aligned16(xr), yv = aligned16(yr);
+  const RowIO<T> io = row_io(p.x, p.y, p.D, blockIdx.x);
   const int step = blockDim.x * N;
   float m = -INFINITY;
   for (int c = threadIdx.x * N; c < p.D; c += step) {
     float f[N];
-    load_n<N>(xr, c, p.D, xv, -INFINITY, f);
+    load_n<N>(io.in, c, p.D, io.in_vec, -INFINITY, f);
 #pragma unroll
     for (int j = 0; j < N; ++j) m = fmaxf(m, f[j]);
   }
@@ -534,7 +621,7 @@ __global__ void __launch_bounds__(1024) softmax_fwd_rows_kernel(const SoftmaxFwd
   float s = 0.f;
   for (int c = threadIdx.x * N; c < p.D; c += step) {
     float f[N];
-    load_n<N>(xr, c, p.D, xv, -INFINITY, f);
+    load_n<N>(io.in, c, p.D, io.in_vec, -INFINITY, f);
 #pragma unroll
     for (int j = 0; j < N; ++j) s += exp_for<T>(f[j] - m);
   }
@@ -542,10 +629,10 @@ __global__ void __launch_bounds__(1024) softmax_fwd_rows_kernel(const SoftmaxFwd
   const float inv = 1.f / s;
   for (int c = threadIdx.x * N; c < p.D; c += step) {
     float f[N];
-    load_n<N>(xr, c, p.D, xv, -INFINITY, f);
+    load_n<N>(io.in, c, p.D, io.in_vec, -INFINITY, f);
 #pragma unroll
     for (int j = 0; j < N; ++j) f[j] = exp_for<T>(f[j] - m) * inv;
-    store_n<N>(yr, c, p.D, yv, f);
+    store_n<N>(io.out, c, p.D, io.out_vec, f);
   }
 }
 
@@ -555,35 +642,12 @@ template <typename T, int VPT>
 __global__ void __launch_bounds__(1024) softmax_fwd_registers_kernel(const SoftmaxFwd<T> p) {
   constexpr int N = kVec<T>;
   __shared__ float red[kMaxRowsPerBlock * 32];
-  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool valid = row < p.rows;
-  const int end = valid ? p.D : 0;
-  const T* xr = p.x + (valid ? row : 0) * p.x_stride;
-  const bool xv = aligned16(xr);
   float v[VPT][N];
-load_vectors<VPT, N>(xr, threadIdx.x * N, blockDim.x * N, end, xv, -INFINITY, v);
-  float m = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) m = fmaxf(m, v[i][j]);
-  m = block_reduce_warp(m, Max{}, red);
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) s += (v[i][j] = exp_for<T>(v[i][j] - m));
-  s = block_reduce_warp(s, Sum{}, red);
-  if (!valid) return;
-  const float inv = 1.f / s;
-  T* yr = p.y + row * p.D;
-  const bool yv = aligned16(yr);
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) v[i][j] *= inv;
-    store_n<N>(yr, (threadIdx.x + i * blockDim.x) * N, p.D, yv, v[i]);
-  }
+  const RegRow row = load_reg_row(p.x, p.rows, p.D, -INFINITY, v);
+  const float m = block_reduce_warp(max_regs(v), Max{}, red);
+  const float s = block_reduce_warp(exp_regs<T>(v, m), Sum{}, red);
+  if (!row.valid) return;
+  store_slice(p.y + row.index * p.D, 0, p.D, 1.f / s, v);
 }
 
 // Step 4 on a cluster (sm_90+; layout as rms_norm_fwd_cluster_kernel). Each block computes its slice's max m and
@@ -597,44 +661,20 @@ __global__ void __launch_bounds__(1024) softmax_fwd_cluster_kernel(const Softmax
   __shared__ float red[32];
   __shared__ float2 part;
   const cg::cluster_group cluster = cg::this_cluster();
-  const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
-  const int64_t row = blockIdx.x / C;
-  const int begin = rank * slice, end = min(p.D, begin + slice);
-  const T* xr = p.x + row * p.x_stride;
-  const bool xv = aligned16(xr);
   float v[VPT][N];
-load_vectors<VPT, N>(xr, begin + threadIdx.x * N, blockDim.x * N, end, xv, -INFINITY, v);
-  float m = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) m = fmaxf(m, v[i][j]);
-  m = block_reduce_warp(m, Max{}, red);
-  const float shift = m == -INFINITY ? 0.f : m;
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) s += (v[i][j] = exp_for<T>(v[i][j] - shift));
-  s = block_reduce_warp(s, Sum{}, red);
+  const ClusterSlice slc = load_cluster_slice(cluster, p.x, p.D, slice, -INFINITY, v);
+  const float m = block_reduce_warp(max_regs(v), Max{}, red);
+  const float s = block_reduce_warp(exp_regs<T>(v, m == -INFINITY ? 0.f : m), Sum{}, red);
   if (threadIdx.x == 0) part = make_float2(m, s);
   cluster.sync();
   float M = -INFINITY, S = 0.f;
-  for (int q = 0; q < C; ++q) M = fmaxf(M, cluster.map_shared_rank(&part, q)->x);
-  for (int q = 0; q < C; ++q) {
+  for (int q = 0; q < slc.C; ++q) M = fmaxf(M, cluster.map_shared_rank(&part, q)->x);
+  for (int q = 0; q < slc.C; ++q) {
     const float2 other = *cluster.map_shared_rank(&part, q);
     S += other.y * expf(other.x - M);
   }
   cluster.barrier_arrive();
-  const float scale = (m == -INFINITY ? 0.f : expf(m - M)) / S;
-  T* yr = p.y + row * p.D;
-  const bool yv = aligned16(yr);
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) v[i][j] *= scale;
-    store_n<N>(yr, begin + (threadIdx.x + i * blockDim.x) * N, end, yv, v[i]);
-  }
+  store_slice(p.y + slc.row * p.D, slc.begin, slc.end, (m == -INFINITY ? 0.f : expf(m - M)) / S, v);
   cluster.barrier_wait();
 #else
   __trap();
@@ -647,15 +687,12 @@ load_vectors<VPT, N>(xr, begin + threadIdx.x * N, blockDim.x * N, end, xv, -INFI
 template <typename T, int N>
 __global__ void __launch_bounds__(1024) softmax_fwd_online_kernel(const SoftmaxFwd<T> p) {
   __shared__ float2 red[32];
-  const int64_t row = blockIdx.x;
-  const T* xr = p.x + row * p.x_stride;
-  T* yr = p.y + row * p.D;
-  const bool xv = aligned16(xr), yv = aligned16(yr);
+  const RowIO<T> io = row_io(p.x, p.y, p.D, blockIdx.x);
   const int step = blockDim.x * N;
   MaxSum ms{-INFINITY, 0.f};
   for (int c = threadIdx.x * N; c < p.D; c += step) {
     float f[N];
-    load_n<N>(xr, c, p.D, xv, -INFINITY, f);
+    load_n<N>(io.in, c, p.D, io.in_vec, -INFINITY, f);
     float m_new = ms.m;
 #pragma unroll
     for (int j = 0; j < N; ++j) m_new = fmaxf(m_new, f[j]);
@@ -670,10 +707,10 @@ __global__ void __launch_bounds__(1024) softmax_fwd_online_kernel(const SoftmaxF
   const float inv = 1.f / ms.s;  // a row of only -inf: (m, s) = (-inf, 0), exp(NaN) * inf = NaN
   for (int c = threadIdx.x * N; c < p.D; c += step) {
     float f[N];
-    load_n<N>(xr, c, p.D, xv, -INFINITY, f);
+    load_n<N>(io.in, c, p.D, io.in_vec, -INFINITY, f);
 #pragma unroll
     for (int j = 0; j < N; ++j) f[j] = exp_for<T>(f[j] - ms.m) * inv;
-    store_n<N>(yr, c, p.D, yv, f);
+    store_n<N>(io.out, c, p.D, io.out_vec, f);
   }
 }
 
@@ -700,8 +737,8 @@ __global__ void __launch_bounds__(1024) rms_norm_bwd_registers_kernel(const Norm
   const int64_t first = int64_t(blockIdx.x) * p.rows_per_block;
   const int64_t last = min(p.rows, first + p.rows_per_block);
   for (int64_t row = first; row < last; ++row) {
-    const T* dyr = p.dy + row * p.dy_stride;
-    const T* xr = p.x + row * p.x_stride;
+    const T* dyr = p.dy.row(row);
+    const T* xr = p.x.row(row);
     const bool dyv = aligned16(dyr), xv = aligned16(xr);
     const float r = p.rstd[row];
     float g[VPT][N], xs[VPT][N];
@@ -755,8 +792,8 @@ template <typename T, int N>
 __global__ void __launch_bounds__(1024) rms_norm_bwd_coef_kernel(const NormBwd<T> p) {
   __shared__ float red[32];
   const int64_t row = blockIdx.x;
-  const T* dyr = p.dy + row * p.dy_stride;
-  const T* xr = p.x + row * p.x_stride;
+  const T* dyr = p.dy.row(row);
+  const T* xr = p.x.row(row);
   const bool dyv = aligned16(dyr), xv = aligned16(xr), wv = aligned16(p.w);
   float dot = 0.f;
   for (int c = threadIdx.x * N; c < p.D; c += blockDim.x * N) {
@@ -789,8 +826,8 @@ __global__ void __launch_bounds__(256) rms_norm_bwd_columns_kernel(const NormBwd
   const int64_t first = int64_t(blockIdx.y) * p.rows_per_block;
   const int64_t last = min(p.rows, first + p.rows_per_block);
   for (int64_t row = first; row < last; ++row) {
-    const T* dyr = p.dy + row * p.dy_stride;
-    const T* xr = p.x + row * p.x_stride;
+    const T* dyr = p.dy.row(row);
+    const T* xr = p.x.row(row);
     T* dxr = p.dx + row * p.D;
     float g[N], xs[N], out[N];
     load_n<N>(dyr, col, p.D, aligned16(dyr), 0.f, g);
@@ -837,22 +874,14 @@ template <typename T, int VPT>
 __global__ void __launch_bounds__(512) softmax_bwd_registers_kernel(const SoftmaxBwd<T> p) {
   constexpr int N = kVec<T>;
   __shared__ float red[kMaxRowsPerBlock * 32];
-  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool valid = row < p.rows;
-  const int end = valid ? p.D : 0;
-  const T* yr = p.y + (valid ? row : 0) * p.y_stride;
-  const T* dyr = p.dy + (valid ? row : 0) * p.dy_stride;
-  const bool yv = aligned16(yr), dyv = aligned16(dyr);
+  const RegRow row = reg_row(p.rows, p.D);
+  const T* yr = p.y.row(row.read);
+  const T* dyr = p.dy.row(row.read);
   float ys[VPT][N], g[VPT][N];
-  load_vectors2<VPT, N>(yr, yv, dyr, dyv, threadIdx.x * N, blockDim.x * N, end, ys, g);
-  float dot = 0.f;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) dot += ys[i][j] * g[i][j];
-  dot = block_reduce_warp(dot, Sum{}, red);
-  if (!valid) return;
-  T* dxr = p.dx + row * p.D;
+  load_vectors2<VPT, N>(yr, aligned16(yr), dyr, aligned16(dyr), threadIdx.x * N, blockDim.x * N, row.end, ys, g);
+  const float dot = block_reduce_warp(dot_regs(ys, g), Sum{}, red);
+  if (!row.valid) return;
+  T* dxr = p.dx + row.index * p.D;
   const bool dxv = aligned16(dxr);
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
@@ -867,16 +896,15 @@ template <typename T, int N>
 __global__ void __launch_bounds__(1024) softmax_bwd_rows_kernel(const SoftmaxBwd<T> p) {
   __shared__ float red[32];
   const int64_t row = blockIdx.x;
-  const T* yr = p.y + row * p.y_stride;
-  const T* dyr = p.dy + row * p.dy_stride;
-  T* dxr = p.dx + row * p.D;
-  const bool yv = aligned16(yr), dyv = aligned16(dyr), dxv = aligned16(dxr);
+  const RowIO<T> io = row_io(p.dy, p.dx, p.D, row);  // dy in, dx out
+  const T* yr = p.y.row(row);
+  const bool yv = aligned16(yr);
   const int step = blockDim.x * N;
   float dot = 0.f;
   for (int c = threadIdx.x * N; c < p.D; c += step) {
     float ys[N], g[N];
     load_n<N>(yr, c, p.D, yv, 0.f, ys);
-    load_n<N>(dyr, c, p.D, dyv, 0.f, g);
+    load_n<N>(io.in, c, p.D, io.in_vec, 0.f, g);
 #pragma unroll
     for (int j = 0; j < N; ++j) dot += ys[j] * g[j];
   }
@@ -884,10 +912,10 @@ __global__ void __launch_bounds__(1024) softmax_bwd_rows_kernel(const SoftmaxBwd
   for (int c = threadIdx.x * N; c < p.D; c += step) {
     float ys[N], g[N];
     load_n<N>(yr, c, p.D, yv, 0.f, ys);
-    load_n<N>(dyr, c, p.D, dyv, 0.f, g);
+    load_n<N>(io.in, c, p.D, io.in_vec, 0.f, g);
 #pragma unroll
     for (int j = 0; j < N; ++j) g[j] = ys[j] * (g[j] - dot);
-    store_n<N>(dxr, c, p.D, dxv, g);
+    store_n<N>(io.out, c, p.D, io.out_vec, g);
   }
 }
 
@@ -1055,19 +1083,35 @@ void launch_rows(Kernel kernel, const P& p, int N, const char* name, cudaStream_
   KL_LAUNCH_CHECK(name);
 }
 
+// Steps 0-2, alike in both forward ops: the naive kernel (one thread per row), then rows_for(Reduce::kTree) and
+// rows_for(Reduce::kWarp) with scalar accesses; names: the three kernels' names. False for the later steps.
+template <typename P, typename Naive, typename RowsFor>
+bool launch_scalar_steps(const P& p, int64_t variant, Naive naive, RowsFor rows_for, const char* const (&names)[3],
+                         cudaStream_t stream) {
+  switch (variant) {
+    case kNaive:
+      naive<<<unsigned(ceil_div(p.rows, 128)), 128, 0, stream>>>(p);
+      KL_LAUNCH_CHECK(names[0]);
+      return true;
+    case kBlockShared:
+      launch_rows(rows_for(std::integral_constant<Reduce, Reduce::kTree>{}), p, 1, names[1], stream);
+      return true;
+    case kWarpShuffle:
+      launch_rows(rows_for(std::integral_constant<Reduce, Reduce::kWarp>{}), p, 1, names[2], stream);
+      return true;
+    default: return false;
+  }
+}
+
 template <typename T>
 void rms_norm_fwd_typed(const NormFwd<T>& p, int64_t variant, cudaStream_t stream) {
   constexpr int N = kVec<T>;
+  static constexpr const char* kScalarNames[3] = {"rms_norm_fwd_naive", "rms_norm_fwd_block_shared",
+                                                  "rms_norm_fwd_warp_shuffle"};
+  const auto scalar_rows = [](auto reduce) { return rms_norm_fwd_rows_kernel<T, decltype(reduce)::value, 1>; };
+  if (launch_scalar_steps(p, variant, rms_norm_fwd_naive_kernel<T>, scalar_rows, kScalarNames, stream)) return;
   const auto vectorized = rms_norm_fwd_rows_kernel<T, Reduce::kWarp, N>;
   switch (variant) {
-    case kNaive:
-      rms_norm_fwd_naive_kernel<T><<<unsigned(ceil_div(p.rows, 128)), 128, 0, stream>>>(p);
-      KL_LAUNCH_CHECK("rms_norm_fwd_naive");
-      return;
-    case kBlockShared:
-      return launch_rows(rms_norm_fwd_rows_kernel<T, Reduce::kTree, 1>, p, 1, "rms_norm_fwd_block_shared", stream);
-    case kWarpShuffle:
-      return launch_rows(rms_norm_fwd_rows_kernel<T, Reduce::kWarp, 1>, p, 1, "rms_norm_fwd_warp_shuffle", stream);
     case kVectorized:
     case kOnline: return launch_rows(vectorized, p, N, "rms_norm_fwd_vectorized", stream);
     default:  // kRegisters, kBest
@@ -1090,15 +1134,11 @@ void launch_softmax_fwd_online(const SoftmaxFwd<T>& p, cudaStream_t stream) {
 template <typename T>
 void softmax_fwd_typed(const SoftmaxFwd<T>& p, int64_t variant, cudaStream_t stream) {
   constexpr int N = kVec<T>;
+  static constexpr const char* kScalarNames[3] = {"softmax_fwd_naive", "softmax_fwd_block_shared",
+                                                  "softmax_fwd_warp_shuffle"};
+  const auto scalar_rows = [](auto reduce) { return softmax_fwd_rows_kernel<T, decltype(reduce)::value, 1>; };
+  if (launch_scalar_steps(p, variant, softmax_fwd_naive_kernel<T>, scalar_rows, kScalarNames, stream)) return;
   switch (variant) {
-    case kNaive:
-      softmax_fwd_naive_kernel<T><<<unsigned(ceil_div(p.rows, 128)), 128, 0, stream>>>(p);
-      KL_LAUNCH_CHECK("softmax_fwd_naive");
-      return;
-    case kBlockShared:
-      return launch_rows(softmax_fwd_rows_kernel<T, Reduce::kTree, 1>, p, 1, "softmax_fwd_block_shared", stream);
-    case kWarpShuffle:
-      return launch_rows(softmax_fwd_rows_kernel<T, Reduce::kWarp, 1>, p, 1, "softmax_fwd_warp_shuffle", stream);
     case kVectorized:
       return launch_rows(softmax_fwd_rows_kernel<T, Reduce::kWarp, N>, p, N, "softmax_fwd_vectorized", stream);
     case kOnline: return launch_softmax_fwd_online(p, stream);
@@ -1213,6 +1253,19 @@ void check_dense(const char* fn, const char* name, const at::Tensor& t, at::IntA
   TORCH_CHECK(t.is_contiguous(), fn, ": ", name, " must be contiguous, got strides ", t.strides());
 }
 
+template <typename T>
+Rows<T> rows_of(const at::Tensor& t) {
+  return {t.const_data_ptr<T>(), t.stride(0)};
+}
+
+// f(T{}, stream) for t's dtype T (checked by check_rows), on t's device and its current stream.
+template <class F>
+void on_device(const at::Tensor& t, F&& f) {
+  const c10::cuda::OptionalCUDAGuard guard(t.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  KL_DISPATCH(t.scalar_type(), "kernel_lib_cuda", [&] { f(scalar_t{}, stream); });  // the name must be a constant
+}
+
 }  // namespace
 
 // =====================================================================================================================
@@ -1246,12 +1299,10 @@ void rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight, double eps, at:
     rstd.fill_(std::numeric_limits<float>::quiet_NaN());
     return;
   }
-  const c10::cuda::OptionalCUDAGuard guard(x.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  KL_DISPATCH(x.scalar_type(), "rms_norm_fwd", [&] {
-    const NormFwd<scalar_t> p{x.const_data_ptr<scalar_t>(), x.stride(0), weight.const_data_ptr<scalar_t>(),
-                              y.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows, int(D),
-                              float(1.0 / double(D)), float(eps)};
+  on_device(x, [&](auto type, cudaStream_t stream) {
+    using T = decltype(type);
+    const NormFwd<T> p{rows_of<T>(x), weight.const_data_ptr<T>(), y.data_ptr<T>(), rstd.data_ptr<float>(), rows,
+                       int(D), float(1.0 / double(D)), float(eps)};
     rms_norm_fwd_typed(p, variant, stream);
   });
 }
@@ -1274,13 +1325,11 @@ void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w
     dweight.zero_();
     return;
   }
-  const c10::cuda::OptionalCUDAGuard guard(x.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::TensorOptions f32 = x.options().dtype(at::kFloat);
-  KL_DISPATCH(x.scalar_type(), "rms_norm_bwd", [&] {
-    const NormBwd<scalar_t> p{dy.const_data_ptr<scalar_t>(), dy.stride(0), x.const_data_ptr<scalar_t>(), x.stride(0),
-                              weight.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(), dx.data_ptr<scalar_t>(),
-                              nullptr, nullptr, rows, int(D), float(1.0 / double(D)), 0};
+  on_device(x, [&](auto type, cudaStream_t stream) {
+    using T = decltype(type);
+    const NormBwd<T> p{rows_of<T>(dy), rows_of<T>(x), weight.const_data_ptr<T>(), rstd.const_data_ptr<float>(),
+                       dx.data_ptr<T>(), nullptr, nullptr, rows, int(D), float(1.0 / double(D)), 0};
     rms_norm_bwd_typed(p, dweight.data_ptr<float>(), f32, variant, stream);
   });
 }
@@ -1292,11 +1341,9 @@ void softmax_fwd(const at::Tensor& x, at::Tensor& y, int64_t variant) {
   const int64_t rows = x.size(0), D = x.size(1);
   check_dense(fn, "y", y, {rows, D}, x.scalar_type(), x);
   if (rows == 0 || D == 0) return;
-  const c10::cuda::OptionalCUDAGuard guard(x.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  KL_DISPATCH(x.scalar_type(), "softmax_fwd", [&] {
-    const SoftmaxFwd<scalar_t> p{x.const_data_ptr<scalar_t>(), x.stride(0), y.data_ptr<scalar_t>(), rows, int(D)};
-    softmax_fwd_typed(p, variant, stream);
+  on_device(x, [&](auto type, cudaStream_t stream) {
+    using T = decltype(type);
+    softmax_fwd_typed(SoftmaxFwd<T>{rows_of<T>(x), y.data_ptr<T>(), rows, int(D)}, variant, stream);
   });
 }
 
@@ -1309,12 +1356,9 @@ void softmax_bwd(const at::Tensor& y, const at::Tensor& dy, at::Tensor& dx) {
   const int64_t rows = y.size(0), D = y.size(1);
   check_dense(fn, "dx", dx, {rows, D}, y.scalar_type(), y);
   if (rows == 0 || D == 0) return;
-  const c10::cuda::OptionalCUDAGuard guard(y.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  KL_DISPATCH(y.scalar_type(), "softmax_bwd", [&] {
-    const SoftmaxBwd<scalar_t> p{y.const_data_ptr<scalar_t>(), y.stride(0), dy.const_data_ptr<scalar_t>(), dy.stride(0),
-                                 dx.data_ptr<scalar_t>(), rows, int(D)};
-    softmax_bwd_typed(p, stream);
+  on_device(y, [&](auto type, cudaStream_t stream) {
+    using T = decltype(type);
+    softmax_bwd_typed(SoftmaxBwd<T>{rows_of<T>(y), rows_of<T>(dy), dx.data_ptr<T>(), rows, int(D)}, stream);
   });
 }
 
