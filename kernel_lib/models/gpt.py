@@ -257,21 +257,21 @@ class NaiveAttention(nn.Module):
         self.v = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
         self.o = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
 
-    def _qkv(self, x, positions):
-        """q, k, v (B, H, n, hd) of x (B, n, C) at ``positions`` (n,), RoPE applied to q and k."""
-        B, n, _ = x.shape
-        q, k, v = (proj(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+
         # rotary embedding: pair i of position t turns by the angle t / base^(2i / hd)
         dim = self.head_dim
         inv_freq = 1.0 / (self.rope_base ** (torch.arange(0, dim, 2, device=x.device).float() / dim))
-        freqs = torch.outer(positions.float(), inv_freq)  # (n, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (n, hd)
+        t = torch.arange(T, device=x.device).float()
+        freqs = torch.outer(t, inv_freq)  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self._qkv(x, torch.arange(T, device=x.device))
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
 
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
@@ -285,7 +285,18 @@ class NaiveAttention(nn.Module):
         """x (B, n, C) at ``positions`` (n,): q, k, v and RoPE as in forward, k and v written into the cache,
         scores over the first kv_len cached keys with the positions after each query masked out."""
         B, n, C = x.shape
-        q, k, v = self._qkv(x, positions)
+        q = self.q(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
+        k = self.k(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
+
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_base ** (torch.arange(0, dim, 2, device=x.device).float() / dim))
+        freqs = torch.outer(positions.float(), inv_freq)  # (n, hd/2): forward's rows at these positions
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
         keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, H, kv_len, hd)
         scores = (q @ keys.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, n, kv_len)
         scores = scores.masked_fill(~_cache_mask(positions, kv_len), float("-inf"))
