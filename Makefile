@@ -73,7 +73,7 @@ DEV_ENV := install-dev-active
 endif
 
 .PHONY: help setup book serve test test-gpu execute bench lint format wheelhouse clean \
-        book-strict check-html vendor check-gpu jupyter-from-wheelhouse install-book-active install-dev-active
+        book-strict check-html chromium vendor check-gpu jupyter-from-wheelhouse install-book-active install-dev-active
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST) \
@@ -139,17 +139,20 @@ $(VENDOR_STAMP): Makefile
 # Headless Chromium: Debian's package is installed when no Chromium or Chrome is found (apt-get, as root or with sudo).
 CHROMIUM_NAMES := chromium chromium-browser google-chrome google-chrome-stable
 
-check-html: $(BOOK_ENV) ## Open every page of the built book in headless Chromium (offline): math, widgets, images, errors; screenshots in _build/screens
-	@if [ -z "$${CHROMIUM:-}" ] && ! command -v $(CHROMIUM_NAMES) >/dev/null 2>&1; then \
+chromium:
+	@found=$${CHROMIUM:-}; for name in $(CHROMIUM_NAMES); do command -v $$name >/dev/null 2>&1 && found=$$name; done; \
+	if [ -z "$$found" ]; then \
 	  echo "check-html: no Chromium found; installing Debian's chromium package (apt-get install -y chromium)"; \
 	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium; \
 	fi
+
+check-html: $(BOOK_ENV) chromium ## Open every page of the built book in headless Chromium (offline): math, widgets, images, errors; screenshots in _build/screens
 	@if [ "$(FRESH_BOOK)" != 1 ]; then $(MAKE) --no-print-directory book; fi
 	$(PYTHON) tools/check_html.py --html _build/html --screens _build/screens
 
 # ------------------------------------------------------------------------------------------------ tests
-test: $(DEV_ENV) ## CPU suite: pytest, nbval over every notebook (Triton interpreted), strict book build, check-html
+test: $(DEV_ENV) chromium ## CPU suite: pytest, nbval over every notebook (Triton interpreted), strict book build, check-html
 	$(RUN) TRITON_INTERPRET=1 $(PYTHON) -m pytest tests
 	$(RUN) TRITON_INTERPRET=1 $(PYTHON) -m pytest $(NBVAL) $(NOTEBOOKS)
 	$(MAKE) book-strict

@@ -2,6 +2,7 @@
 
 import csv
 import math
+import os
 import time
 
 import pytest
@@ -126,11 +127,20 @@ def test_plot_style_keeps_legend_off_the_data_and_labels_the_ceiling():
         ("kernel_lib (Triton)", "kernel_lib"),  # ours keeps its colour whatever follows the name
         ("torch.compile max-autotune", "torch.compile"),
         ("Liger-Kernel", "liger"),
-        ("an unknown peer", "an unknown peer"),  # a stable spare colour, the same in every process
     ],
 )
 def test_color_is_stable_per_implementation(label, same_as):
     assert bench.color(label) == bench.color(same_as)
+
+
+def test_spare_colour_is_the_same_in_another_process():
+    import subprocess
+    import sys
+
+    code = "from kernel_lib import bench; print(bench.color('an unknown peer'))"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # hash() would differ between these processes
+    other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == bench.color("an unknown peer") and other.stdout.strip() in bench._SPARE
 
 
 def test_table_formats_numbers_for_reading():
