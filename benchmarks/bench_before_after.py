@@ -76,6 +76,8 @@ def cases(lib, big: bool):
         ("cross_entropy", lambda: lib.cross_entropy(logits, target)),
         ("flash_attention", lambda: lib.flash_attention(qa, ka, va)),
         ("flash_attention causal", lambda: lib.flash_attention(qa, ka, va, causal=True)),
+        ("flash_attention window 256", lambda: lib.flash_attention(qa, ka, va, causal=True, window=256)),
+        ("flash_attention window 4096", lambda: lib.flash_attention(qa, ka, va, causal=True, window=4096)),
         ("grouped_mm", lambda: lib.grouped_mm(xs, wg, offs, check_offs=False)),
         ("moe", lambda: layer(xm)[0]),
     ]

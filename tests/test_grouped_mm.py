@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import kernel_lib.ops.grouped_mm as grouped_mm_module
 from kernel_lib.ops.grouped_mm import grouped_mm, grouped_mm_ref
 from tests._checks import check_forward_backward
 
@@ -84,7 +85,10 @@ def test_opcheck(device):
         (torch.tensor([5], dtype=torch.int32), (2, 8, 4), ValueError, "one entry per group"),
     ],
 )
-def test_bad_input_is_named(offs, w_shape, error, words):
+@pytest.mark.parametrize("path", ["kernel", "reference"])  # reference: CPU without the interpreter checks offs too
+def test_bad_input_is_named(offs, w_shape, error, words, path, monkeypatch):
+    if path == "reference":
+        monkeypatch.setattr(grouped_mm_module, "use_triton", lambda *tensors, op: False)
     with pytest.raises(error, match=words):
         grouped_mm(torch.randn(5, 8), torch.randn(w_shape), offs)
 

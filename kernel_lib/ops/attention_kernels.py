@@ -90,14 +90,29 @@ def _key_range(start_m, N, M, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDO
 
 
 @triton.jit
-def _query_block(Hq, GROUP, BLOCK_M: tl.constexpr):
-    """This program's first query, its (batch * head) index, batch, query head and key/value head. Under a causal
-    mask the last query blocks see the most keys; they get the first program ids, so the longest programs start
-    first and the short ones fill the tail (the forward and dQ kernels)."""
+def _head_base(ptr, b, h, stride_b, stride_h):
+    """Pointer to position 0 of head h of batch b; int64 offsets (B * H * N * D may pass 2^31)."""
+    return ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def _query_block(q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """This program's first query, (batch * head) index, query and head-dim offsets, and the q, k and v pointers to
+    position 0 of its query head and of the key/value head that head reads (the forward and dQ kernels). Under a
+    causal mask the last query blocks see the most keys; they get the first program ids, so the longest programs
+    start first and the short ones fill the tail."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
+    b = bh // Hq
     h = bh % Hq
-    return start_m, bh, bh // Hq, h, h // GROUP
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_base = _head_base(q_ptr, b, h, sqb, sqh)
+    k_base = _head_base(k_ptr, b, hk, skb, skh)
+    v_base = _head_base(v_ptr, b, hk, svb, svh)
+    return start_m, bh, offs_m, offs_d, q_base, k_base, v_base
 
 
 @triton.jit
@@ -114,6 +129,21 @@ def _unmasked_keys(start_m, lo, hi, N, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
         full_lo = tl.cdiv(tl.maximum(0, start_m + BLOCK_M + (M - N) - WINDOW_SIZE), BLOCK_N) * BLOCK_N
         full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
     return full_lo, full_hi
+
+
+@triton.jit
+def _key_blocks(start_m, N, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                WINDOW: tl.constexpr, WINDOW_SIZE, MASK_TAIL: tl.constexpr):  # fmt: skip
+    """lo, hi, full_lo, full_hi: the keys [lo, hi) the query block at start_m sees (lo a multiple of BLOCK_N), and
+    within them the key blocks [full_lo, full_hi) that need no mask (the forward and dQ kernels). MASK_TAIL: the
+    ragged last key block is masked too (the forward, whose keys past M must score -inf)."""
+    lo, hi = _key_range(start_m, N, M, BLOCK_M, CAUSAL, WINDOW, WINDOW_SIZE)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_end = hi
+    if MASK_TAIL:
+        full_end = (M // BLOCK_N) * BLOCK_N
+    full_lo, full_hi = _unmasked_keys(start_m, lo, full_end, N, M, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, WINDOW_SIZE)
+    return lo, hi, full_lo, full_hi
 
 
 @triton.jit
@@ -162,24 +192,18 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    start_m, bh, b, h, hk = _query_block(Hq, GROUP, BLOCK_M)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    k_base = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    start_m, bh, offs_m, offs_d, q_base, k_base, v_base = _query_block(
+        q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP, HEAD_DIM, BLOCK_M
+    )
     q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of base-2 scores
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of 2^(score - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # unnormalized output
-    lo, hi = _key_range(start_m, N, M, BLOCK_M, CAUSAL, WINDOW, WINDOW_SIZE)
-    lo = (lo // BLOCK_N) * BLOCK_N
     # Key blocks [full_lo, full_hi) are whole (inside M) and seen by every query of the block: no mask. The
     # blocks before (window edge) and after (causal edge, ragged end of the keys: -inf scores) are masked.
-    full_lo, full_hi = _unmasked_keys(start_m, lo, (M // BLOCK_N) * BLOCK_N, N, M, BLOCK_M, BLOCK_N,
-                                      CAUSAL, WINDOW, WINDOW_SIZE)  # fmt: skip
+    lo, hi, full_lo, full_hi = _key_blocks(start_m, N, M, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, WINDOW_SIZE, True)
     if WINDOW:
         acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, skn, svn, lo, full_lo,
                                    N, M, qk_scale, WINDOW_SIZE, True, CAUSAL, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
@@ -305,8 +329,8 @@ def _attn_bwd_dkdv_kernel(
     b, hk = bhk // Hkv, bhk % Hkv
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    k_base = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    k_base = _head_base(k_ptr, b, hk, skb, skh)
+    v_base = _head_base(v_ptr, b, hk, svb, svh)
     k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -328,7 +352,7 @@ def _attn_bwd_dkdv_kernel(
     qk_scale = scale * 1.4426950408889634
     for g in range(0, GROUP):  # every query head reading this key/value head
         h = hk * GROUP + g
-        q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        q_base = _head_base(q_ptr, b, h, sqb, sqh)
         row_base = (b * Hq + h).to(tl.int64) * N
         do_base = do_ptr + row_base * HEAD_DIM
         lse2_base = lse2_ptr + row_base
@@ -384,30 +408,22 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    start_m, bh, b, h, hk = _query_block(Hq, GROUP, BLOCK_M)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    start_m, bh, offs_m, offs_d, q_base, k_base, v_base = _query_block(
+        q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP, HEAD_DIM, BLOCK_M
+    )
     q_mask = offs_m[:, None] < N
     row = bh.to(tl.int64) * N + offs_m
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :],
-        mask=q_mask,
-        other=0.0,
-    )
+    q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(do_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0)
     lse2 = tl.load(lse2_ptr + row, mask=offs_m < N, other=0.0)
     delta = tl.load(delta_ptr + row, mask=offs_m < N, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    k_base = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    lo, hi = _key_range(start_m, N, M, BLOCK_M, CAUSAL, WINDOW, WINDOW_SIZE)
-    lo = (lo // BLOCK_N) * BLOCK_N
     # Key blocks [lo, full_lo) and [full_hi, hi) are seen by part of this query block (masked), [full_lo, full_hi)
     # by all of it; keys past M load as zeros here, which add nothing to dq, so the ragged end needs no mask.
-    full_lo, full_hi = _unmasked_keys(start_m, lo, hi, N, M, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, WINDOW_SIZE)
+    lo, hi, full_lo, full_hi = _key_blocks(start_m, N, M, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, WINDOW_SIZE, False)
     qk_scale = scale * 1.4426950408889634
     if WINDOW:
         dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, skn, svn,

@@ -309,15 +309,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, check_of
         raise ValueError(f"w must have shape (E, {x.shape[1]}, N) to match x's K, got {tuple(w.shape)}")
     if offs.shape[0] != w.shape[0]:
         raise ValueError(f"offs must have one entry per group of w ({w.shape[0]}), got {offs.shape[0]}")
+    if check_offs and not torch.compiler.is_compiling():  # reading offs on the host would break the graph
+        ends = offs.tolist()
+        if any(b < a for a, b in zip([0, *ends[:-1]], ends, strict=True)):
+            raise ValueError(f"offs must be non-decreasing and start at 0 or more, got {ends}")
+        if ends[-1] != x.shape[0]:
+            raise ValueError(f"offs[-1] must equal the number of rows of x ({x.shape[0]}), got {ends[-1]}")
     if not use_triton(x, w, op="grouped_mm"):  # CPU without the interpreter: the reference, differentiated
         return grouped_mm_ref(x, w, offs)
-    if not check_offs or torch.compiler.is_compiling():  # reading offs on the host would break the graph
-        return _GroupedMM.apply(x, w, offs.contiguous())
-    ends = offs.tolist()
-    if any(b < a for a, b in zip([0, *ends[:-1]], ends, strict=True)):
-        raise ValueError(f"offs must be non-decreasing and start at 0 or more, got {ends}")
-    if ends[-1] != x.shape[0]:
-        raise ValueError(f"offs[-1] must equal the number of rows of x ({x.shape[0]}), got {ends[-1]}")
     return _GroupedMM.apply(x, w, offs.contiguous())
 
 

@@ -1,7 +1,9 @@
 """Workers: one long-lived process per ``--gpus`` entry, each evaluating one variant at a time.
 
-The orchestrator hands a worker the path of a control file on its stdin and reads ``done <path>`` back; the
-result itself is the ``result.json`` the worker wrote. A worker that hangs past the timeout is killed (its
+A worker says ``ready`` once it has imported torch and triton (allowed ``START_LIMIT`` seconds: a loaded machine
+can take many seconds for that, which is not the variant's time). The orchestrator then hands it the path of a
+control file on its stdin and reads ``done <path>`` back; the result itself is the ``result.json`` the worker
+wrote, and the timeout counts from the hand-over. A worker that hangs past the timeout is killed (its
 process group, so a compiler it started goes too); one that dies is recorded as a crash, marked ``"died": true``
 (the search then retries that evaluation once on another worker: a ``kill -9`` or a lost GPU is not the variant's
 fault). Either way the pool writes the failed result.json itself and starts a fresh process for the next
@@ -29,6 +31,8 @@ from pathlib import Path
 
 from .worker import write_json
 
+START_LIMIT = 120.0  # seconds for a fresh worker to import torch and triton before its first evaluation
+
 
 def devices_for(gpus: list[int]) -> list[str]:
     """``cuda:<i>`` per entry on a GPU machine; on a CPU machine each entry is one CPU worker (the interpreter)."""
@@ -39,6 +43,10 @@ def devices_for(gpus: list[int]) -> list[str]:
     return ["cpu" for _ in gpus]
 
 
+def _exit_why(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
+
+
 class _Slot:
     def __init__(self, index: int, device: str, log_dir: Path, timeout: float):
         self.index, self.device, self.timeout = index, device, timeout
@@ -47,7 +55,8 @@ class _Slot:
         self.busy = False
         self.jobs: queue.Queue | None = None
 
-    def _start(self) -> None:
+    def _start(self) -> str:
+        """Start the worker process and wait for its 'ready'; return "" or why it did not start."""
         env = dict(os.environ)
         env["KERNEL_SEARCH_PARENT_PID"] = str(os.getpid())
         log = open(self.log_path, "a")  # noqa: SIM115 - the child owns it for its lifetime
@@ -62,6 +71,16 @@ class _Slot:
             start_new_session=True,  # its own process group: a timeout kills compilers it started too
         )
         log.close()
+        ready, _, _ = select.select([self.proc.stdout], [], [], START_LIMIT)
+        line = self.proc.stdout.readline() if ready else ""
+        if line.strip() == "ready":
+            return ""
+        if not ready:
+            self._kill()
+            return f"the worker process did not start within {START_LIMIT:g} s"
+        reason = f"the worker process died ({_exit_why(self.proc.wait())}) while starting"
+        self._kill()
+        return reason
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -74,10 +93,13 @@ class _Slot:
 
     def evaluate(self, control_path: str) -> dict:
         """Blocking: hand over one control file, wait for its result (or the timeout, or the worker's death)."""
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
         control = json.loads(Path(control_path).read_text())
         result_path = control["result"]
+        if self.proc is None or self.proc.poll() is not None:
+            started = time.time()
+            why = self._start()
+            if why:
+                return self._failed(control, result_path, "crash", why, started, died=True)
         started = time.time()
         try:
             self.proc.stdin.write(control_path + "\n")
@@ -96,10 +118,8 @@ class _Slot:
                 continue
             line = self.proc.stdout.readline()
             if not line:  # EOF: the process died
-                code = self.proc.wait()
+                reason = f"the worker process died ({_exit_why(self.proc.wait())})"
                 self.proc = None
-                why = f"signal {-code}" if code < 0 else f"exit code {code}"
-                reason = f"the worker process died ({why})"
                 return self._failed(control, result_path, "crash", reason, started, died=True)
             if line.strip() == f"done {control_path}":
                 try:

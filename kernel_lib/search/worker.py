@@ -279,8 +279,11 @@ def run_one(control_path: str) -> dict:
 
 
 def serve(protocol_fd: int) -> int:
-    """The pool's long-lived worker: one control path per stdin line; 'done <path>' on ``protocol_fd`` after each."""
+    """The pool's long-lived worker: 'ready' on ``protocol_fd`` once imported, then one control path per stdin line
+    and 'done <path>' after each."""
     channel = os.fdopen(protocol_fd, "w", buffering=1)
+    channel.write("ready\n")  # torch and triton are imported: the pool starts the first evaluation's clock now
+    channel.flush()
     for line in sys.stdin:
         path = line.strip()
         if not path:

@@ -25,7 +25,7 @@ from tests.search import _tiny_kernel as tiny
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda:0" if HAS_CUDA else "cpu"
-POOL_TIMEOUT = 12.0  # seconds per evaluation: a worker's start (torch, triton) takes 1-3 s of it on the CPU
+POOL_TIMEOUT = 12.0  # seconds per evaluation, counted after the worker has started (imported torch and triton)
 
 
 KNOWN_BUGS: dict[str, str] = {}  # candidate name -> why it is expected to fail (none at present)
@@ -90,7 +90,7 @@ def test_the_pool_survives_crashes_and_hangs(spec_path, tmp_path):
         results = {}
         while len(results) < len(IN_A_WORKER):
             results.update(pool.wait())
-        assert time.time() - started < POOL_TIMEOUT + 10  # in parallel, each cut at the timeout
+        assert time.time() - started < 3 * POOL_TIMEOUT  # in parallel, each cut at the timeout (one by one: 36 s or more)
         for bad in IN_A_WORKER:
             result = results[bad.name]
             assert result["status"] in bad.statuses, (bad.name, result)
