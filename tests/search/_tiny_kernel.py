@@ -151,7 +151,8 @@ BAD = [
     ),
     Candidate(
         "endless_loop",
-        source("endless_loop", {"    v = tl.load": "    while True:\n        row = row + 0\n    v = tl.load"}),
+        # a runtime condition that stays true (Triton refuses a constant `while True`), a store so it is not removed
+        source("endless_loop", {"    v = tl.load": "    while row < N:\n        tl.store(y + row * N, 0.0)\n    v = tl.load"}),
         ("timeout",),
         in_process=False,
     ),
