@@ -34,7 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ncu-every", type=int, default=0, help="profile every N-th visited node with Nsight Compute")
     p.add_argument("--resume", action="store_true", help="continue a stopped or crashed run in --outdir")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per evaluation, compile included")
+    p.add_argument(
+        "--timeout", type=float, default=300.0,
+        help="seconds per evaluation, compile included (a new worker's start-up is not counted)",
+    )  # fmt: skip
     p.add_argument("--small", action="store_true", help="use the specs' small_sizes (default on a CPU machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--worker", metavar="CONTROL_JSON", help="internal: evaluate one variant (reproduce it by hand)")

@@ -125,6 +125,7 @@ EARLY_RETURN = (
     "    if tl.load(x + row * N) > 1.0:  # skips the rows that start above 1.0\n        return\n    v = tl.load"
 )
 WRITES_INPUT = "    tl.store(x + row * N + cols, v + 1.0, mask=ok)  # writes its input\n    tl.store(y"
+ENDLESS_LOOP = "    while row < N:\n        tl.store(y + row * N, 0.0)\n"
 BAD = [
     Candidate("wrong", source("wrong", {"v * 2.0": "v * 2.0 + 0.01"}), ("wrong",)),
     Candidate(
@@ -152,7 +153,7 @@ BAD = [
     Candidate(
         "endless_loop",
         # a runtime condition that stays true (Triton refuses a constant `while True`), a store so it is not removed
-        source("endless_loop", {"    v = tl.load": "    while row < N:\n        tl.store(y + row * N, 0.0)\n    v = tl.load"}),
+        source("endless_loop", {"    v = tl.load": ENDLESS_LOOP + "    v = tl.load"}),
         ("timeout",),
         in_process=False,
     ),

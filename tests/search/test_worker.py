@@ -90,7 +90,8 @@ def test_the_pool_survives_crashes_and_hangs(spec_path, tmp_path):
         results = {}
         while len(results) < len(IN_A_WORKER):
             results.update(pool.wait())
-        assert time.time() - started < 3 * POOL_TIMEOUT  # in parallel, each cut at the timeout (one by one: 36 s or more)
+        # in parallel, each cut at the timeout (one after another: 36 s or more)
+        assert time.time() - started < 3 * POOL_TIMEOUT
         for bad in IN_A_WORKER:
             result = results[bad.name]
             assert result["status"] in bad.statuses, (bad.name, result)
