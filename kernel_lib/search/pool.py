@@ -71,16 +71,21 @@ class _Slot:
             start_new_session=True,  # its own process group: a timeout kills compilers it started too
         )
         log.close()
-        ready, _, _ = select.select([self.proc.stdout], [], [], START_LIMIT)
-        line = self.proc.stdout.readline() if ready else ""
-        if line.strip() == "ready":
-            return ""
-        if not ready:
-            self._kill()
-            return f"the worker process did not start within {START_LIMIT:g} s"
-        reason = f"the worker process died ({_exit_why(self.proc.wait())}) while starting"
+        deadline = time.time() + START_LIMIT
+        while (left := deadline - time.time()) > 0:
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            if not ready:
+                break
+            line = self.proc.stdout.readline()
+            if not line:  # EOF: the process died
+                reason = f"the worker process died ({_exit_why(self.proc.wait())}) while starting"
+                self.proc = None
+                return reason
+            if line.strip() == "ready":
+                return ""
+            # anything else is a stray print of an import (before stdout went to the log): skip it
         self._kill()
-        return reason
+        return f"the worker process did not start within {START_LIMIT:g} s"
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

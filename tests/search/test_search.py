@@ -358,6 +358,40 @@ def test_a_dead_worker_is_retried_once_on_another(tmp_path):
     assert result.best_id == json.loads((root / "search_state.json").read_text())["winner"]["id"]
 
 
+def _fake_python(tmp_path, before: str) -> str:
+    """A stand-in for sys.executable that runs ``before`` in the shell, then the real Python."""
+    script = tmp_path / "python"
+    script.write_text(f'#!/bin/sh\n{before}\nexec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize(
+    "before, limit, status, words",
+    [
+        # a stray line before 'ready' is skipped: the worker starts and evaluates (the control has no spec)
+        ("echo noise from an import", 120.0, "runtime_error", "KeyError: 'spec'"),
+        ("sleep 30", 2.0, "crash", "did not start within 2 s"),  # a worker that never says ready is killed
+    ],
+)
+def test_a_worker_start_is_waited_for_apart_from_the_timeout(tmp_path, monkeypatch, before, limit, status, words):
+    """The pool waits for a new worker's 'ready' (its imports), up to START_LIMIT, before the evaluation's clock
+    starts; lines before it are skipped."""
+    import kernel_lib.search.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "START_LIMIT", limit)
+    monkeypatch.setattr(pool_module.sys, "executable", _fake_python(tmp_path, before))
+    control = tmp_path / "control.json"
+    control.write_text(json.dumps({"id": "v1", "result": str(tmp_path / "result.json"), "device": "cpu"}))
+    pool = WorkerPool(["cpu"], tmp_path / "workers", timeout=60)
+    try:
+        pool.submit(str(control), "v1")
+        [(_, result)] = pool.wait()
+    finally:
+        pool.close()
+    assert result["status"] == status and words in result["reason"], result
+
+
 def test_a_worker_killed_mid_evaluation_is_reported_as_died(tmp_path):
     """A real worker process killed with SIGKILL while it still starts up (importing torch takes seconds): the
     pool reports a crash marked died, names the worker, and writes result.json itself."""
