@@ -71,21 +71,27 @@ class _Slot:
             start_new_session=True,  # its own process group: a timeout kills compilers it started too
         )
         log.close()
-        deadline = time.time() + START_LIMIT
+        why = self._wait_for("ready", time.time() + START_LIMIT)
+        if why == "timeout":
+            return f"the worker process did not start within {START_LIMIT:g} s"
+        return f"{why} while starting" if why else ""
+
+    def _wait_for(self, expected: str, deadline: float) -> str:
+        """Read the worker's protocol lines until ``expected``: "" then, "timeout" (worker killed) or why it died.
+        Other lines are skipped (a stray print of an import, before stdout went to the log)."""
         while (left := deadline - time.time()) > 0:
             ready, _, _ = select.select([self.proc.stdout], [], [], left)
             if not ready:
-                break
+                continue
             line = self.proc.stdout.readline()
             if not line:  # EOF: the process died
-                reason = f"the worker process died ({_exit_why(self.proc.wait())}) while starting"
+                why = f"the worker process died ({_exit_why(self.proc.wait())})"
                 self.proc = None
-                return reason
-            if line.strip() == "ready":
+                return why
+            if line.strip() == expected:
                 return ""
-            # anything else is a stray print of an import (before stdout went to the log): skip it
         self._kill()
-        return f"the worker process did not start within {START_LIMIT:g} s"
+        return "timeout"
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -112,25 +118,15 @@ class _Slot:
         except BrokenPipeError:
             self._kill()
             return self._failed(control, result_path, "crash", "the worker process had exited", started, died=True)
-        deadline = started + self.timeout
-        while True:
-            left = deadline - time.time()
-            if left <= 0:
-                self._kill()
-                return self._failed(control, result_path, "timeout", f"no result within {self.timeout:g} s", started)
-            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
-            if not ready:
-                continue
-            line = self.proc.stdout.readline()
-            if not line:  # EOF: the process died
-                reason = f"the worker process died ({_exit_why(self.proc.wait())})"
-                self.proc = None
-                return self._failed(control, result_path, "crash", reason, started, died=True)
-            if line.strip() == f"done {control_path}":
-                try:
-                    return {**json.loads(Path(result_path).read_text()), "worker": self.index}
-                except (OSError, json.JSONDecodeError) as exc:
-                    return self._failed(control, result_path, "crash", f"unreadable result.json: {exc}", started)
+        why = self._wait_for(f"done {control_path}", started + self.timeout)
+        if why == "timeout":
+            return self._failed(control, result_path, "timeout", f"no result within {self.timeout:g} s", started)
+        if why:
+            return self._failed(control, result_path, "crash", why, started, died=True)
+        try:
+            return {**json.loads(Path(result_path).read_text()), "worker": self.index}
+        except (OSError, json.JSONDecodeError) as exc:
+            return self._failed(control, result_path, "crash", f"unreadable result.json: {exc}", started)
 
     def _failed(self, control: dict, path: str, status: str, reason: str, started: float, died=False) -> dict:
         result = {"id": control["id"], "status": status, "reason": reason, "device": self.device}
