@@ -16,7 +16,6 @@ Writes <out>/autotune.csv and <out>/first_calls.csv and prints both tables.
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -163,19 +162,19 @@ def _first_call(script: str, op: str, env: dict) -> dict:
 def first_call_rows() -> list[dict]:
     """Per op: a process with an empty Triton cache, then a second process on the cache the first one left."""
     rows = []
-    folder = tempfile.mkdtemp()
-    script = os.path.join(folder, "first_call.py")  # a file, not `python -c`: @triton.jit reads its source
-    with open(script, "w") as f:
-        f.write(FIRST_CALL)
-    for op in ("flash_attention", "grouped_mm", "rms_norm", "layer_norm", "softmax", "swiglu", "rope", "cross_entropy"):
-        with tempfile.TemporaryDirectory() as cache:
-            env = {**os.environ, "TRITON_CACHE_DIR": cache}
-            env.pop("KERNEL_LIB_AUTOTUNE", None)
-            row = _first_call(script, op, env)
-            again = _first_call(script, op, env)
-        row.update(second_process_fwd_s=again["first_fwd_s"], second_process_bwd_s=again["first_bwd_s"])
-        rows.append(row)
-    shutil.rmtree(folder)
+    with tempfile.TemporaryDirectory() as folder:
+        script = os.path.join(folder, "first_call.py")  # a file, not `python -c`: @triton.jit reads its source
+        with open(script, "w") as f:
+            f.write(FIRST_CALL)
+        for op in ("flash_attention", "grouped_mm", "rms_norm", "layer_norm", "softmax", "swiglu", "rope",
+                   "cross_entropy"):  # fmt: skip
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TRITON_CACHE_DIR": cache}
+                env.pop("KERNEL_LIB_AUTOTUNE", None)
+                row = _first_call(script, op, env)
+                again = _first_call(script, op, env)
+            row.update(second_process_fwd_s=again["first_fwd_s"], second_process_bwd_s=again["first_bwd_s"])
+            rows.append(row)
     return rows
 
 
