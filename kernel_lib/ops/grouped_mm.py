@@ -83,7 +83,10 @@ def dw_preferred() -> list:
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
+def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    if DOT_FP32:  # the interpreter's bf16 dot is wrong: upcast first (CPU only; False on the GPU)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
@@ -150,10 +153,7 @@ def _grouped_mm_kernel(
             mask=k_ok[:, None] & (cols[None, :] < N),
             other=0.0,
         )
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = _dot(a, b, acc, IEEE)
+        acc = _dot(a, b, acc, DOT_FP32, IEEE)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
 
@@ -193,10 +193,7 @@ def _grouped_dw_kernel(
             mask=row_ok[:, None] & (cols[None, :] < N),
             other=0.0,
         )
-        if DOT_FP32:
-            xt = xt.to(tl.float32)
-            dy = dy.to(tl.float32)
-        acc = _dot(xt, dy, acc, IEEE)
+        acc = _dot(xt, dy, acc, DOT_FP32, IEEE)
     dw_ptrs = dw_ptr + e.to(tl.int64) * K * N + ks[:, None] * N + cols[None, :]
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(ks[:, None] < K) & (cols[None, :] < N))
 
