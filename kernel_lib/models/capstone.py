@@ -6,8 +6,10 @@ Training, for the GPT's versions built from one set of weights (``VERSIONS``, ``
     cost      = step_cost(step, device)                       median time, first call, peak memory
     profile   = profile_families(step, device)                GPU time per kernel family, GPU busy vs wall
     losses    = loss_curve(model, optimizer, batches, steps)  one loss per step
-    curves    = loss_curves(source, tokens, B, T, steps, ...)  every version's, and a float32 reference's
-    table     = compare_curves(curves)                        each against the reference, 2x PyTorch's own drift
+    curves    = loss_curves(source, tokens, B, T, steps, ...)  every version's, a float32 reference's, and re-runs
+                                                              of native eager from re-rounded weights
+    table     = compare_curves(curves)                        first step against the reference, last steps against
+                                                              the re-runs' centre: 2x PyTorch's own spread
 
 Model FLOPs utilization (MFU) is ``GPT.flops_per_token(T)`` times the tokens per second, over a ceiling: the matmul
 throughput measured in the same run (``kernel_lib.bench.matmul_tflops``) or the datasheet's (``datasheet_tflops``).
@@ -49,6 +51,9 @@ __all__ = [
     "loss_curve",
     "REFERENCE",
     "YARDSTICK",
+    "RERUNS",
+    "rerun_name",
+    "reround",
     "loss_curves",
     "compare_curves",
     "release",
@@ -219,8 +224,25 @@ def release(device=None) -> None:
         torch.cuda.empty_cache()
 
 
-REFERENCE = "native eager, float32"  # the curves' reference: PyTorch's own ops without low-precision rounding
-YARDSTICK = "native eager"  # PyTorch's own ops in the run's dtype: the drift its rounding alone causes
+REFERENCE = "native eager, float32"  # the first step's reference: PyTorch's own ops without low-precision rounding
+YARDSTICK = "native eager"  # PyTorch's own ops in the run's dtype: how far its roundings alone move the curve
+RERUNS = 3  # re-runs of YARDSTICK from weights rounded once more: the ensemble the late steps are judged against
+
+
+def rerun_name(i: int, yardstick: str = YARDSTICK) -> str:
+    """The curve name of the yardstick's ``i``-th re-run (1-based) from re-rounded weights (``reround``)."""
+    return f"{yardstick} #{i}"
+
+
+@torch.no_grad()
+def reround(model: nn.Module, seed: int) -> None:
+    """Move every parameter by a random relative amount below its dtype's machine epsilon and round it again: the
+    same weights up to one rounding each, as a different order of operations could have left them. Drawn on the
+    CPU from ``seed`` (the same perturbation on any device)."""
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        noise = torch.rand(p.shape, generator=generator).mul_(2).sub_(1).mul_(torch.finfo(p.dtype).eps)
+        p.copy_(p.float() * (1 + noise.to(p.device)))
 
 
 def loss_curves(
@@ -235,15 +257,23 @@ def loss_curves(
     lr: float = 3e-4,
     seed: int = 0,
     versions=None,
+    reruns: int = RERUNS,
     progress: Optional[Callable[[str, list[float], float], None]] = None,
 ) -> dict[str, list[float]]:
     """Loss curves from one set of weights and one stream of batches: ``REFERENCE`` (native eager in float32)
-    first, then each of ``versions`` (default ``VERSIONS``) in ``dtype``, one version on the device at a time.
-    ``progress(name, curve, seconds)`` is called after each curve."""
+    first, then each of ``versions`` (default ``VERSIONS``) in ``dtype``, then ``reruns`` more runs of
+    ``YARDSTICK`` (``rerun_name(i)``), each from the weights re-rounded with seed ``i`` (``reround``); one run on
+    the device at a time. ``progress(name, curve, seconds)`` is called after each curve."""
+    if YARDSTICK not in (versions or VERSIONS) and reruns:
+        raise ValueError(f"re-runs repeat {YARDSTICK!r}: include it in versions, or pass reruns=0")
     curves = {}
-    plan = [(REFERENCE, YARDSTICK, torch.float32)] + [(name, name, dtype) for name in (versions or VERSIONS)]
-    for label, name, dt in plan:
+    plan = [(REFERENCE, YARDSTICK, torch.float32, None)]
+    plan += [(name, name, dtype, None) for name in (versions or VERSIONS)]
+    plan += [(rerun_name(i), YARDSTICK, dtype, i) for i in range(1, reruns + 1)]
+    for label, name, dt, rerun in plan:
         version = build_version(name, source, device, dt, compile=compile)
+        if rerun is not None:
+            reround(version.gpt, rerun)
         optimizer = make_optimizer(version.model, lr)
         stream = _batches(tokens, batch, seq_len, generator=torch.Generator().manual_seed(seed), device=device)
         start = time.perf_counter()
@@ -264,41 +294,58 @@ def compare_curves(
     yardstick: Optional[str] = YARDSTICK,
     factor: float = 2.0,
 ) -> list[dict]:
-    """Each curve against ``reference``'s, by the course's rule: a version may differ from the reference by at most
-    ``factor`` times what PyTorch's own ops in the same dtype (``yardstick``'s curve) differ, and never less than
-    ``first_rtol`` / ``last_rtol``. Two numbers per version: the relative difference at the first step (same weights,
-    same batch: only rounding differs) and that of the mean over the ``last`` steps (single late steps are not
-    compared: in low precision the curves drift apart step by step, as different roundings feed different updates).
-    One row per version, with the largest absolute difference at any step and whether both are allowed."""
+    """Each curve by the course's rule, ``factor`` times what PyTorch's own ops do, with floors. Two numbers per
+    curve:
+
+    * the **first step** (same weights, same batch: only rounding differs) against ``reference``'s: allowed
+      ``factor`` times ``yardstick``'s own difference, at least ``first_rtol``;
+    * the **mean of the last** ``last`` steps against the centre of the yardstick's ensemble (``yardstick`` and its
+      re-runs ``rerun_name(i)`` from re-rounded weights, see ``loss_curves``): allowed ``factor`` times the largest
+      distance of a member from that centre, at least ``last_rtol``. Training amplifies one rounding into curves
+      that wander apart, so one pair of runs says little; the ensemble shows how far PyTorch's own ops wander in
+      the same dtype from roundings alone. ``reference`` is not judged on the late steps (``within_tolerance`` is
+      None for it): its distance from the centre is what the low-precision dtype itself changes, the same for
+      every version (``last_vs_reference`` gives each curve's).
+
+    Without ``yardstick`` the late steps are compared with ``reference`` and ``last_rtol`` alone. One row per
+    curve, with the largest absolute difference from ``reference`` at any step."""
     ref = curves[reference]
     n_last = min(last, len(ref))
-
-    def diffs(curve):
-        first = abs(curve[0] - ref[0]) / abs(ref[0])
-        mean_last = sum(curve[-n_last:]) / n_last
-        return first, mean_last, abs(mean_last - sum(ref[-n_last:]) / n_last) / abs(sum(ref[-n_last:]) / n_last)
-
     for name, curve in curves.items():
         if len(curve) != len(ref):
             raise ValueError(f"{name}: {len(curve)} steps, the reference {reference!r} has {len(ref)}")
+
+    def mean_last(curve):
+        return sum(curve[-n_last:]) / n_last
+
+    def first_diff(curve):
+        return abs(curve[0] - ref[0]) / abs(ref[0])
+
+    members = [] if yardstick is None else [yardstick]
+    if members:
+        members += [name for i in range(1, len(curves)) if (name := rerun_name(i, yardstick)) in curves]
+    centre = sum(mean_last(curves[m]) for m in members) / len(members) if members else mean_last(ref)
     allowed_first, allowed_last = first_rtol, last_rtol
-    if yardstick is not None and yardstick != reference:
-        own_first, _, own_last = diffs(curves[yardstick])
-        allowed_first, allowed_last = max(first_rtol, factor * own_first), max(last_rtol, factor * own_last)
+    if members:
+        allowed_first = max(first_rtol, factor * first_diff(curves[yardstick]))
+        spread = max(abs(mean_last(curves[m]) - centre) for m in members) / abs(centre)
+        allowed_last = max(last_rtol, factor * spread)
     rows = []
     for name, curve in curves.items():
-        first, mean_last, end = diffs(curve)
+        first, end = first_diff(curve), abs(mean_last(curve) - centre) / abs(centre)
         ok = all(math.isfinite(v) for v in curve) and first <= allowed_first and end <= allowed_last
         rows.append({
             "version": name,
             "first_loss": curve[0],
             "first_rel_diff": first,
-            f"mean_last_{n_last}": mean_last,
+            "last_steps": n_last,
+            "mean_last": mean_last(curve),
             "last_rel_diff": end,
+            "last_vs_reference": abs(mean_last(curve) - mean_last(ref)) / abs(mean_last(ref)),
             "max_abs_diff": max(abs(a - b) for a, b in zip(curve, ref, strict=True)),
             "allowed_first": allowed_first,
             "allowed_last": allowed_last,
-            "within_tolerance": ok,
+            "within_tolerance": None if (name == reference and members) else ok,
         })  # fmt: skip
     return rows
 
