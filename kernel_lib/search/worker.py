@@ -210,7 +210,7 @@ def evaluate_control(control: dict) -> dict:
     except Exception as exc:  # noqa: BLE001 - the worker reports, the search decides
         result.update(status="runtime_error", reason=_short(exc))
     result["seconds"] = round(time.time() - started, 3)
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and not is_cuda_error(result):  # after a CUDA error, no CUDA call may return
         torch.cuda.empty_cache()  # several workers share the GPU: give back what this evaluation cached
     return result
 
@@ -292,5 +292,7 @@ def serve(protocol_fd: int) -> int:
         channel.write(f"done {path}\n")
         channel.flush()
         if is_cuda_error(result):
-            return 3  # the pool starts a fresh process for the next evaluation
+            # the pool starts a fresh process for the next evaluation; leave without the interpreter's teardown,
+            # which frees CUDA memory in a context the error may have broken
+            os._exit(3)
     return 0
