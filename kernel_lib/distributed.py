@@ -371,7 +371,7 @@ def memory_model(
         if strategy == "ddp" and b < 4:  # fp32_allreduce_hook: every bucket's float32 copy is in flight at the end
             gradients += 4 * P
     tokens = batch * seq_len
-    per_block = (8 * c.d_model + 3 * c.d_ff) * b + (2 + c.n_heads) * 4
+    per_block = (6 * c.d_model + 2 * c.kv_dim + 3 * c.d_ff) * b + (2 + c.n_heads) * 4  # q, k, v: d + 2 kv_dim
     saved = c.n_layers * c.d_model * b + per_block if checkpointing else c.n_layers * per_block
     loss_side = 3 * c.d_model * b * tokens + c.vocab_size * c.d_model * b
     chunk = min(chunk_bytes, tokens * c.vocab_size * b) + 2 * 4 * tokens

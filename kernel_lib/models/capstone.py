@@ -371,7 +371,7 @@ def decode_step_bytes(model, batch: int, pos: int) -> int:
     c = gpt.config
     size = gpt.head.weight.element_size()
     weights = sum(p.numel() for name, p in gpt.named_parameters() if name != "embed.weight") * size
-    per_position = 2 * c.n_layers * c.d_model * size  # a key and a value per layer
+    per_position = 2 * c.n_layers * c.kv_dim * size  # a key and a value per layer (n_kv_heads of them)
     return weights + batch * (c.d_model * size + (pos + 1) * per_position + per_position)
 
 

@@ -182,7 +182,7 @@ _HF_TOP = {
 
 def to_hf_llama(model: GPT):
     """A ``transformers.LlamaForCausalLM`` with ``model``'s sizes and weights (any version; dense only), in its
-    dtype, on its device, in eval mode. Config: heads = key/value heads = n_heads, intermediate_size d_ff, SiLU,
+    dtype, on its device, in eval mode. Config: n_heads and n_kv_heads, intermediate_size d_ff, SiLU,
     rms_norm_eps norm_eps, rope theta rope_base (default RoPE, no scaling), untied head, no biases, and no
     bos/eos/pad token (``generate`` then never stops early). Built from the config in the model's dtype, so its
     RoPE frequencies stay in float32 (casting a built model with ``.to(bfloat16)`` would round them too)."""
@@ -200,7 +200,7 @@ def to_hf_llama(model: GPT):
         intermediate_size=c.d_ff,
         num_hidden_layers=c.n_layers,
         num_attention_heads=c.n_heads,
-        num_key_value_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
         head_dim=c.head_dim,
         hidden_act="silu",
         max_position_embeddings=c.max_seq_len,

@@ -33,16 +33,19 @@ Four versions; the three values of ``impl`` select the submodule classes below, 
 
 Parameters, with E = n_experts and d_ff the MLP width::
 
-    N = 2 V d  +  d  +  n_layers (4 d² + 2 d + M)        M = 3 d d_ff (dense)  or  E (3 d d_ff + d) (MoE)
+    N = 2 V d  +  d  +  n_layers (2 d² + 2 d kv + 2 d + M)        M = 3 d d_ff (dense)  or  E (3 d d_ff + d) (MoE)
 
-(embedding and head, norm_f, and per block q/k/v/o, two norms and the MLP or the experts with their router).
+(embedding and head, norm_f, and per block q/k/v/o, two norms and the MLP or the experts with their router);
+kv = n_kv_heads * head_dim is d unless ``n_kv_heads`` asks for grouped-query attention (k, v and the KV cache
+shrink by n_heads / n_kv_heads; every version supports it).
 
 Weight layout, (out, in) for every nn.Linear weight:
 
-* naive: ``blocks.i.attn.{q,k,v,o}.weight`` (d, d); ``blocks.i.mlp.{gate,up}.weight`` (d_ff, d),
+* naive: ``blocks.i.attn.{q,o}.weight`` (d, d), ``blocks.i.attn.{k,v}.weight`` (kv, d);
+  ``blocks.i.mlp.{gate,up}.weight`` (d_ff, d),
   ``blocks.i.mlp.down.weight`` (d, d_ff); with experts ``blocks.i.mlp.router.weight`` (E, d) and
   ``blocks.i.mlp.experts.e.{gate,up,down}.weight`` as above.
-* native and kernel_lib (one layout, the same names): ``blocks.i.attn.qkv.weight`` (3d, d) = [q; k; v] stacked
+* native and kernel_lib (one layout, the same names): ``blocks.i.attn.qkv.weight`` (d + 2 kv, d) = [q; k; v] stacked
   along dim 0, ``blocks.i.attn.o.weight``; ``blocks.i.mlp.gate_up.weight`` (2 d_ff, d) = [gate; up],
   ``blocks.i.mlp.down.weight``; with experts ``blocks.i.mlp.router.weight`` and ``blocks.i.mlp.w_gate``,
   ``w_up`` (E, d, d_ff) and ``w_down`` (E, d_ff, d), each expert's Linear weight transposed (kernel_lib.MoE's).
@@ -103,14 +106,17 @@ DECODE_BUCKET = 64  # cache positions per decode bucket: kv_len of a tensor-posi
 
 @dataclass
 class GPTConfig:
-    """The model's sizes and version. ``d_ff`` None: 8/3 d rounded up to a multiple of 256 (SwiGLU's width for
-    about the parameters of a 4d GELU MLP). ``n_experts`` 0: a dense MLP; > 0: a mixture of that many experts, each
-    token sent to ``top_k`` of them."""
+    """The model's sizes and version. ``n_kv_heads`` None: every query head has its own keys and values; fewer
+    (a divisor of ``n_heads``): grouped-query attention, each key/value head shared by n_heads / n_kv_heads query
+    heads (Llama 2 70B and later), which shrinks the k and v projections and the KV cache by that factor. ``d_ff``
+    None: 8/3 d rounded up to a multiple of 256 (SwiGLU's width for about the parameters of a 4d GELU MLP).
+    ``n_experts`` 0: a dense MLP; > 0: a mixture of that many experts, each token sent to ``top_k`` of them."""
 
     vocab_size: int = 32768
     d_model: int = 1024
     n_layers: int = 8
     n_heads: int = 16
+    n_kv_heads: Optional[int] = None
     d_ff: Optional[int] = None
     max_seq_len: int = 2048
     rope_base: float = 10000.0
@@ -122,7 +128,9 @@ class GPTConfig:
     def __post_init__(self):
         if self.d_ff is None:
             self.d_ff = 256 * math.ceil(8 * self.d_model / 3 / 256)
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -130,6 +138,8 @@ class GPTConfig:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"the head dim d_model / n_heads must be even for RoPE's pairs, got {self.head_dim}")
         if self.impl == "kernel_lib" and self.head_dim not in HEAD_DIMS:
@@ -147,13 +157,18 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def kv_dim(self) -> int:
+        """Width of the k and v projections: n_kv_heads * head_dim (d_model without grouped-query attention)."""
+        return self.n_kv_heads * self.head_dim
+
 
 # --------------------------------------------------------------------------------------------------
 # Decoding: the static KV cache and attention over it
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class KVCache:
-    """Keys and values of every layer, ``k[i]``, ``v[i]`` (batch, n_heads, max_len, head_dim), allocated once by
+    """Keys and values of every layer, ``k[i]``, ``v[i]`` (batch, n_kv_heads, max_len, head_dim), allocated once by
     ``GPT.init_cache`` and written in place by ``GPT.forward_step``. They start at zero and positions past the
     current one are always masked, so a cache is reused for a new sequence without clearing it (stale values are
     finite and weighted by exactly 0)."""
@@ -240,6 +255,13 @@ class NaiveRMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
+def _repeat_kv(x, n_heads: int):
+    """Keys or values (B, Hkv, T, hd) repeated to (B, n_heads, T, hd): query head h reads key/value head
+    h // (n_heads / Hkv), the grouping of flash_attention, SDPA's enable_gqa and Hugging Face's repeat_kv."""
+    group = n_heads // x.shape[1]
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
 def rotate_half(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
@@ -250,18 +272,19 @@ class NaiveAttention(nn.Module):
 
     def __init__(self, config: GPTConfig, device=None, dtype=None):
         super().__init__()
-        d = config.d_model
+        d, kv = config.d_model, config.kv_dim
         self.n_heads, self.head_dim, self.rope_base = config.n_heads, config.head_dim, config.rope_base
+        self.n_kv_heads = config.n_kv_heads
         self.q = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
-        self.k = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
-        self.v = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
+        self.k = nn.Linear(d, kv, bias=False, device=device, dtype=dtype)
+        self.v = nn.Linear(d, kv, bias=False, device=device, dtype=dtype)
         self.o = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
 
     def forward(self, x):
         B, T, C = x.shape
         q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
 
         # rotary embedding: pair i of position t turns by the angle t / base^(2i / hd)
         dim = self.head_dim
@@ -273,6 +296,7 @@ class NaiveAttention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
+        k, v = _repeat_kv(k, self.n_heads), _repeat_kv(v, self.n_heads)  # each query head its group's keys
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
         scores = scores.masked_fill(mask, float("-inf"))
@@ -286,8 +310,8 @@ class NaiveAttention(nn.Module):
         scores over the first kv_len cached keys with the positions after each query masked out."""
         B, n, C = x.shape
         q = self.q(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
-        k = self.k(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
+        v = self.v(x).view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
 
         dim = self.head_dim
         inv_freq = 1.0 / (self.rope_base ** (torch.arange(0, dim, 2, device=x.device).float() / dim))
@@ -297,7 +321,8 @@ class NaiveAttention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
-        keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, H, kv_len, hd)
+        keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, Hkv, kv_len, hd)
+        keys, values = _repeat_kv(keys, self.n_heads), _repeat_kv(values, self.n_heads)
         scores = (q @ keys.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, n, kv_len)
         scores = scores.masked_fill(~_cache_mask(positions, kv_len), float("-inf"))
         att = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -353,6 +378,17 @@ def _rope_buffers(module: nn.Module, config: GPTConfig, device) -> None:
     module.register_buffer("sin", sin, persistent=False)
 
 
+def _sdpa(q, k, v, attn_mask=None, is_causal: bool = False):
+    """F.scaled_dot_product_attention, also with k, v of fewer heads than q (grouped-query attention): without a
+    mask through SDPA's ``enable_gqa`` (no copy); with one, k and v repeated to q's heads, as not every backend
+    takes both."""
+    if k.shape[1] == q.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+    if attn_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1]), attn_mask=attn_mask)
+
+
 def apply_rope(x, cos, sin):
     """Rotate x (B, H, T, hd) by cos, sin (T, hd/2), rotate-half convention, in float32; returns x's dtype."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -365,19 +401,20 @@ class NativeAttention(nn.Module):
     def __init__(self, config: GPTConfig, device=None, dtype=None):
         super().__init__()
         d = config.d_model
-        self.n_heads, self.head_dim = config.n_heads, config.head_dim
-        self.qkv = nn.Linear(d, 3 * d, bias=False, device=device, dtype=dtype)
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.split = (d, config.kv_dim, config.kv_dim)  # q, k, v columns of the fused projection
+        self.qkv = nn.Linear(d, sum(self.split), bias=False, device=device, dtype=dtype)
         self.o = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
         _rope_buffers(self, config, device)
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=-1)
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, self.cos[:T], self.sin[:T]), apply_rope(k, self.cos[:T], self.sin[:T])
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd); no T x T tensor on GPUs
+        y = _sdpa(q, k, v, is_causal=True)  # (B, H, T, hd); no T x T tensor on GPUs
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
     _rope = staticmethod(apply_rope)  # the rotation a step uses; kernel_lib's version swaps in kernel_lib.rope
@@ -386,19 +423,19 @@ class NativeAttention(nn.Module):
         """x (B, n, C) at ``positions`` (n,): RoPE from the tables' rows at those positions, k and v written into
         the cache, attention over the first kv_len cached keys (``_attend_cache``)."""
         B, n, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=-1)
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
-        k = k.view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
+        v = v.view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)  # (n, hd/2), no sync
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, H, kv_len, hd)
+        keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, Hkv, kv_len, hd)
         y = self._attend_cache(q, keys, values, positions, exact)  # (B, H, n, hd)
         return self.o(y.transpose(1, 2).reshape(B, n, C))
 
     def _attend_cache(self, q, keys, values, positions, exact: bool):
         # a boolean mask (True: attend) over all kv_len keys; SDPA picks a kernel that takes masks
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=_cache_mask(positions, keys.shape[2]))
+        return _sdpa(q, keys, values, attn_mask=_cache_mask(positions, keys.shape[2]))
 
 
 class NativeMLP(nn.Module):
@@ -453,15 +490,15 @@ class KernelAttention(NativeAttention):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=-1)
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd), strided views: no copy
-        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rope(q, self.cos[:T], self.sin[:T]), rope(k, self.cos[:T], self.sin[:T])
         if q.dtype in (torch.float16, torch.bfloat16):
             y = flash_attention(q, k, v, causal=True)
         else:  # flash_attention takes 16-bit inputs only (its tiles are 16-bit tensor-core matmuls): SDPA for float32
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = _sdpa(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
     _rope = staticmethod(rope)
@@ -616,7 +653,7 @@ class GPT(nn.Module):
                 f"tables' length), got {max_len!r}"
             )
         c, w = self.config, self.head.weight
-        shape = (batch, c.n_heads, max_len, c.head_dim)
+        shape = (batch, c.n_kv_heads, max_len, c.head_dim)
         kw = dict(device=w.device if device is None else device, dtype=w.dtype if dtype is None else dtype)
         return KVCache([torch.zeros(shape, **kw) for _ in self.blocks], [torch.zeros(shape, **kw) for _ in self.blocks])
 
@@ -690,7 +727,8 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward and backward) per token at sequence length ``seq_len``: 6 N_m + 12 L d T.
 
-        N_m counts the weights each token is multiplied by: per layer 4 d² (attention) and 3 d d_ff per expert it
+        N_m counts the weights each token is multiplied by: per layer 2 d² + 2 d kv_dim (attention: q and o, k and
+        v; 4 d² without grouped-query attention) and 3 d d_ff per expert it
         visits (top_k of them, plus the router's d E; 1 for a dense MLP), and the head's V d; not the embedding
         lookup or the norms. 12 L d T is the attention's scores and weighted sum (2 matmuls of 2 d T FLOPs per
         token forward, times 3 with backward), counting the whole T x T square as PaLM's appendix B does (a causal
@@ -698,7 +736,8 @@ class GPT(nn.Module):
         """
         c = self.config
         mlp = 3 * c.d_model * c.d_ff * (c.top_k if c.n_experts else 1) + c.d_model * c.n_experts
-        matmul_weights = c.n_layers * (4 * c.d_model**2 + mlp) + c.vocab_size * c.d_model
+        attention = 2 * c.d_model**2 + 2 * c.d_model * c.kv_dim  # q and o, k and v
+        matmul_weights = c.n_layers * (attention + mlp) + c.vocab_size * c.d_model
         return 6 * matmul_weights + 12 * c.n_layers * c.d_model * seq_len
 
 
@@ -723,8 +762,8 @@ def _naive_shapes(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     for i in range(config.n_layers):
         p = f"blocks.{i}."
         yield p + "attn_norm.weight", (d,)
-        for proj in "qkvo":
-            yield f"{p}attn.{proj}.weight", (d, d)
+        for proj, rows in zip("qkvo", (d, config.kv_dim, config.kv_dim, d), strict=True):
+            yield f"{p}attn.{proj}.weight", (rows, d)
         yield p + "mlp_norm.weight", (d,)
         if E:
             yield p + "mlp.router.weight", (E, d)
@@ -757,19 +796,21 @@ def naive_layout(model: GPT, grads: bool = False) -> dict[str, torch.Tensor]:
     names and in ``_naive_shapes``' order; views of the parameters where the layouts agree. ``model`` may be
     compiled."""
     model = _unwrap(model)
+    shapes = dict(_naive_shapes(model.config))
     out = {}
     for name, param in model.named_parameters():
         t = param.detach() if not grads else (param.grad if param.grad is not None else torch.zeros_like(param))
         prefix, rest = _split_block_name(name)
         if rest in _FUSED:
-            for part, chunk in zip(_FUSED[rest], t.chunk(len(_FUSED[rest])), strict=True):
+            rows = [shapes[prefix + part][0] for part in _FUSED[rest]]  # q, k, v differ with grouped-query attention
+            for part, chunk in zip(_FUSED[rest], t.split(rows), strict=True):
                 out[prefix + part] = chunk
         elif rest in _STACKED:
             for e in range(t.shape[0]):
                 out[f"{prefix}mlp.experts.{e}.{_STACKED[rest]}"] = t[e].T
         else:
             out[name] = t
-    return {name: out[name] for name, _ in _naive_shapes(model.config)}
+    return {name: out[name] for name in shapes}
 
 
 def _load_naive_layout(model: GPT, weights: dict[str, torch.Tensor]) -> None:

@@ -23,6 +23,7 @@ from kernel_lib.validate import check, report
 TINY = dict(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=96, rope_base=500.0, norm_eps=1e-5)
 ONE_LAYER = dict(TINY, n_layers=1)  # for the interpreted bfloat16 kernel_lib runs: half the kernel launches
 MOE = dict(TINY, n_experts=4, top_k=2, d_ff=64)
+GQA = dict(TINY, n_kv_heads=2)  # two query heads per key/value head: the cache holds 2 heads, not 4
 T0 = 8  # prompt length
 
 
@@ -62,6 +63,9 @@ def small_buckets(monkeypatch):
         pytest.param("native", TINY, id="native"),
         pytest.param("kernel_lib", TINY, id="kernel_lib"),
         pytest.param("native", MOE, id="native-moe"),  # experts route each token alone: the same as in forward
+        pytest.param("naive", GQA, id="naive-gqa"),
+        pytest.param("native", GQA, id="native-gqa"),  # a chunk attends with a mask: SDPA on repeated k, v
+        pytest.param("kernel_lib", GQA, id="kernel_lib-gqa"),
     ],
 )
 def test_prefill_and_chunked_prefill_equal_forward(impl, sizes):
@@ -76,10 +80,12 @@ def test_prefill_and_chunked_prefill_equal_forward(impl, sizes):
     torch.testing.assert_close(torch.cat([first, rest], dim=1), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sizes", [pytest.param(TINY, id="mha"), pytest.param(GQA, id="gqa")])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("pos_kind", ["int", "tensor"])
-def test_decode_logits_equal_forward_at_every_position(small_buckets, impl, pos_kind):
-    model = _model(impl)
+def test_decode_logits_equal_forward_at_every_position(small_buckets, impl, pos_kind, sizes):
+    model = _model(impl, **sizes)
+    assert model.init_cache(1, 8).k[0].shape == (1, model.config.n_kv_heads, 8, model.config.head_dim)
     seq = _prompt(model.config, length=40)  # decode at positions 8..39: kv_len 16, 32, 40 with tensor positions
     torch.testing.assert_close(_teacher_forced(model, seq, pos_kind), model(seq), atol=1e-5, rtol=1e-5)
 
@@ -160,8 +166,9 @@ def test_flash_over_cache_hides_the_stale_tail(M, positions):
     ],
     ids=str,
 )
-def test_graphed_decoder_on_cpu_matches_greedy(small_buckets, impl, dtype):
-    model = _model(impl, dtype, **(ONE_LAYER if dtype == torch.bfloat16 else TINY))
+@pytest.mark.parametrize("kv_heads", [None, 2], ids=["mha", "gqa"])
+def test_graphed_decoder_on_cpu_matches_greedy(small_buckets, impl, dtype, kv_heads):
+    model = _model(impl, dtype, **dict(ONE_LAYER if dtype == torch.bfloat16 else TINY, n_kv_heads=kv_heads))
     decoder = GraphedDecoder(model, batch=2, max_len=48)
     assert not decoder.uses_graphs  # a CPU: the same step, eagerly
     first = _prompt(model.config)
@@ -170,10 +177,12 @@ def test_graphed_decoder_on_cpu_matches_greedy(small_buckets, impl, dtype):
     assert torch.equal(decoder.generate(second, 8), greedy(model, second, 8))
 
 
+@pytest.mark.parametrize("sizes", [pytest.param(TINY, id="mha"), pytest.param(GQA, id="gqa")])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_hf_llama_has_the_same_logits_and_greedy_tokens(impl):
-    model = _model(impl)
+def test_hf_llama_has_the_same_logits_and_greedy_tokens(impl, sizes):
+    model = _model(impl, **sizes)
     hf = to_hf_llama(model)
+    assert hf.config.num_key_value_heads == model.config.n_kv_heads
     assert type(hf).__name__ == "LlamaForCausalLM" and hf.model.rotary_emb.inv_freq.dtype == torch.float32
     idx = _prompt(model.config, length=32)
     with torch.no_grad():

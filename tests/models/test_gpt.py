@@ -18,6 +18,7 @@ from kernel_lib.validate import check, report
 
 TINY = dict(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=32)  # head dim 16, d_ff 256
 MOE = dict(TINY, n_experts=4, top_k=2, d_ff=64)  # d_ff 64: the interpreted grouped GEMMs stay quick
+GQA = dict(TINY, n_kv_heads=2)  # grouped-query attention: two query heads per key/value head
 B, T = 2, 16
 
 
@@ -71,6 +72,8 @@ def test_forward_backward(device, impl, dtype):
     "sizes",
     [
         pytest.param(TINY, id="dense"),
+        pytest.param(GQA, id="gqa"),
+        pytest.param(dict(TINY, n_kv_heads=1), id="mqa"),  # one key/value head for all: multi-query attention
         pytest.param(MOE, id="moe-top2"),
         pytest.param(dict(MOE, top_k=1, n_layers=1), id="moe-top1"),  # each token to one expert: weight 1
     ],
@@ -140,14 +143,16 @@ def test_initialization_scales():
 
 
 def test_naive_layout_is_the_naive_models_own():
-    for sizes in (TINY, MOE):
+    for sizes in (TINY, MOE, GQA):
         model = _model("naive", "cpu", **sizes)
         shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
         assert shapes == list(_naive_shapes(model.config))
         assert all(w is not None for w in naive_layout(model).values())
 
 
-@pytest.mark.parametrize("sizes", [pytest.param(TINY, id="dense"), pytest.param(MOE, id="moe")])
+@pytest.mark.parametrize(
+    "sizes", [pytest.param(TINY, id="dense"), pytest.param(MOE, id="moe"), pytest.param(GQA, id="gqa")]
+)
 def test_transfer_weights_round_trip_and_dtype(sizes):
     naive, native, kernel = (_model(impl, "cpu", **sizes) for impl in IMPLS)
     transfer_weights(naive, native)
@@ -164,7 +169,7 @@ def test_transfer_weights_round_trip_and_dtype(sizes):
         assert w.dtype == torch.bfloat16 and torch.equal(w, start[name].bfloat16()), name
 
 
-@pytest.mark.parametrize("change", [{"d_model": 128}, {"n_experts": 4}, {"vocab_size": 64}], ids=str)
+@pytest.mark.parametrize("change", [{"d_model": 128}, {"n_experts": 4}, {"vocab_size": 64}, {"n_kv_heads": 2}], ids=str)
 def test_transfer_weights_between_different_sizes_is_refused(change):
     src = _model("naive", "cpu")
     with pytest.raises(ValueError, match="configs differ beyond impl, in: " + next(iter(change))):
@@ -194,6 +199,13 @@ def test_parameter_count_and_flops():
         assert model.num_parameters() == 2 * V * d + d + L * (4 * d * d + 2 * d + mlp)  # the docstring's N
         active = L * (4 * d * d + 3 * d * d_ff * (config.top_k if E else 1) + d * E) + V * d
         assert model.flops_per_token(2048) == 6 * active + 12 * L * d * 2048
+    config = GPTConfig(n_kv_heads=4, impl="native")  # 16 heads of 64, 4 key/value heads: k and v 256 wide
+    model, d, L = GPT(config, device="meta"), config.d_model, config.n_layers
+    assert config.kv_dim == 256 and model.blocks[0].attn.qkv.weight.shape == (d + 2 * 256, d)
+    attention = 2 * d * d + 2 * d * 256
+    mlp = 3 * d * config.d_ff
+    assert model.num_parameters() == 2 * config.vocab_size * d + d + L * (attention + 2 * d + mlp)
+    assert model.flops_per_token(2048) == 6 * (L * (attention + mlp) + config.vocab_size * d) + 12 * L * d * 2048
 
 
 @pytest.mark.parametrize(
@@ -202,6 +214,8 @@ def test_parameter_count_and_flops():
         pytest.param("naive", TINY, True, id="naive-dense"),  # the dense naive model has no graph break either
         pytest.param("native", TINY, True, id="native-dense"),
         pytest.param("kernel_lib", TINY, True, id="kernel_lib-dense"),  # every kernel a torch.library op
+        pytest.param("native", GQA, True, id="native-gqa"),  # SDPA's enable_gqa traced without a break
+        pytest.param("kernel_lib", GQA, True, id="kernel_lib-gqa"),
         pytest.param("naive", MOE, False, id="naive-moe"),  # nonzero per expert: data-dependent shapes, breaks
         pytest.param("native", MOE, False, id="native-moe"),  # the group sizes' .tolist(): a graph break
     ],
@@ -250,6 +264,8 @@ BAD_CONFIGS = [  # (changes to TINY, words)
     ({"n_experts": -1}, "n_experts must be 0"),
     ({"vocab_size": 0}, "vocab_size must be a positive integer"),
     ({"n_layers": -1}, "n_layers must be a positive integer"),
+    ({"n_kv_heads": 3}, "must be a multiple of n_kv_heads"),  # 4 query heads cannot share 3 key/value heads
+    ({"n_kv_heads": 0}, "n_kv_heads must be a positive integer"),
     ({"d_ff": 0}, "d_ff must be a positive integer"),
     ({"max_seq_len": 16.0}, "max_seq_len must be a positive integer"),  # a float, not an int
     ({"rope_base": 0.0}, "rope_base must be > 0"),
