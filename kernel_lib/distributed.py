@@ -344,9 +344,10 @@ def memory_model(
     every block's gathered copy stays from its forward to its backward.
 
     Activations saved per token and block, in elements of the compute dtype (every tensor the block's autograd
-    keeps; equal tensors counted once): the block's input and the attention's normed input (2 d), q, k, v (3 d),
-    the attention's output (d), the residual after attention and its normed copy (2 d), the gate/up product
-    (2 d_ff, kept by SwiGLU) and SwiGLU's output (d_ff): 8 d + 3 d_ff, plus float32 statistics (two RMSNorm
+    keeps; equal tensors counted once): the block's input and the attention's normed input (2 d), q, k, v (d + 2 kv,
+    kv = n_kv_heads * head_dim, d without grouped-query attention), the attention's output (d), the residual after
+    attention and its normed copy (2 d), the gate/up product (2 d_ff, kept by SwiGLU) and SwiGLU's output (d_ff):
+    6 d + 2 kv + 3 d_ff, plus float32 statistics (two RMSNorm
     1/rms, H log-sum-exps). With checkpointing a block keeps its input (d) and one block's full set is rebuilt at
     a time. Outside the blocks: the final norm's input and output (2 d per token) and linear_cross_entropy's
     gradients computed in the forward (d per token, and V d for the head). Largest temporary: a chunk of logits

@@ -147,6 +147,16 @@ def test_reround_moves_each_weight_by_about_one_rounding(dtype):
     assert torch.equal(layer.weight, again)  # the seed decides
 
 
+def test_compare_curves_leaves_a_diverged_rerun_out():
+    nan = float("nan")
+    curves = {"ref": [10.0, 5.0], "own": [10.0, 5.5], rerun_name(1, "own"): [10.0, nan], "v": [10.0, 5.6]}
+    rows = {r["version"]: r for r in compare_curves(curves, "ref", yardstick="own", last=1)}
+    assert rows[rerun_name(1, "own")]["within_tolerance"] is False  # fails itself
+    assert rows["v"]["within_tolerance"] and rows["v"]["last_rel_diff"] == pytest.approx(0.1 / 5.5)  # not everyone
+    with pytest.raises(ValueError, match="non-finite"):
+        compare_curves({"ref": [10.0, 5.0], "own": [10.0, nan]}, "ref", yardstick="own", last=1)
+
+
 def test_compare_curves_floor_and_errors():
     curves = {"ref": [2.0, 1.0], "own": [2.0, 1.0], "v": [2.0, 1.02]}
     rows = compare_curves(curves, "ref", yardstick="own", last=1)  # no re-runs, no spread: the 3% floor applies

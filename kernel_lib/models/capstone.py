@@ -307,7 +307,8 @@ def compare_curves(
       None for it): its distance from the centre is what the low-precision dtype itself changes, the same for
       every version (``last_vs_reference`` gives each curve's).
 
-    Without ``yardstick`` the late steps are compared with ``reference`` and ``last_rtol`` alone. One row per
+    Runs with a non-finite loss are left out of the ensemble (and fail themselves). Without ``yardstick`` the late
+    steps are compared with ``reference`` and ``last_rtol`` alone. One row per
     curve, with the largest absolute difference from ``reference`` at any step."""
     ref = curves[reference]
     n_last = min(last, len(ref))
@@ -324,11 +325,14 @@ def compare_curves(
     members = [] if yardstick is None else [yardstick]
     if members:
         members += [name for i in range(1, len(curves)) if (name := rerun_name(i, yardstick)) in curves]
-    centre = sum(mean_last(curves[m]) for m in members) / len(members) if members else mean_last(ref)
+    finite = [m for m in members if all(math.isfinite(v) for v in curves[m])]  # a diverged run fails alone
+    if members and not finite:
+        raise ValueError(f"every run of {yardstick!r} and its re-runs has a non-finite loss: no yardstick")
+    centre = sum(mean_last(curves[m]) for m in finite) / len(finite) if finite else mean_last(ref)
     allowed_first, allowed_last = first_rtol, last_rtol
-    if members:
-        allowed_first = max(first_rtol, factor * first_diff(curves[yardstick]))
-        spread = max(abs(mean_last(curves[m]) - centre) for m in members) / abs(centre)
+    if finite:
+        allowed_first = max(first_rtol, factor * first_diff(curves[finite[0]]))
+        spread = max(abs(mean_last(curves[m]) - centre) for m in finite) / abs(centre)
         allowed_last = max(last_rtol, factor * spread)
     rows = []
     for name, curve in curves.items():

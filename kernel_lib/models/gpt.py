@@ -63,7 +63,7 @@ versions parameter by parameter.
 
 Decoding with a static KV cache (every version; ``kernel_lib.models.generate`` drives it)::
 
-    cache = model.init_cache(batch, max_len)      per layer k, v (B, H, max_len, hd), zeros, allocated once
+    cache = model.init_cache(batch, max_len)      per layer k, v (B, Hkv, max_len, hd), zeros, allocated once
     logits = model.forward_step(prompt, cache, 0)                 prefill: T0 tokens at positions 0..T0-1
     logits = model.forward_step(token, cache, pos, kv_len)        decode: one token (B, 1) at position pos
 
@@ -205,7 +205,7 @@ def _cache_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
 
 
 def _write_cache(cache_k, cache_v, k, v, positions, kv_len: int):
-    """Write k, v (B, H, n, hd) at ``positions`` (index_copy_: a position tensor, no host value); return the views
+    """Write k, v (B, Hkv, n, hd) at ``positions`` (index_copy_: a position tensor, no host value); return the views
     of the first kv_len positions that attention reads."""
     cache_k.index_copy_(2, positions, k)
     cache_v.index_copy_(2, positions, v)
@@ -214,7 +214,7 @@ def _write_cache(cache_k, cache_v, k, v, positions, kv_len: int):
 
 def flash_over_cache(q, keys, values, positions, exact: bool):
     """kernel_lib.flash_attention of q (B, H, n, hd), the queries at ``positions``, over the cached ``keys``,
-    ``values`` (B, H, M, hd) with M = kv_len, where key j is visible to query t iff j <= positions[t].
+    ``values`` (B, Hkv, M, hd) with M = kv_len, where key j is visible to query t iff j <= positions[t].
 
     flash_attention has no mask and no length argument: what a query sees follows from the shapes alone (causal,
     aligned bottom-right: row i of N sees keys j <= i + M - N). With ``exact`` (M = pos + n, known on the host:

@@ -211,7 +211,11 @@ def evaluate_control(control: dict) -> dict:
         result.update(status="runtime_error", reason=_short(exc))
     result["seconds"] = round(time.time() - started, 3)
     if device.startswith("cuda") and not is_cuda_error(result):  # after a CUDA error, no CUDA call may return
-        torch.cuda.empty_cache()  # several workers share the GPU: give back what this evaluation cached
+        try:
+            torch.cuda.empty_cache()  # several workers share the GPU: give back what this evaluation cached
+        except Exception as exc:  # noqa: BLE001 - a broken context the status did not name: the worker must go
+            why = f"CUDA failed after the evaluation ({result['status']}: {result['reason']}): {_short(exc)}"
+            result.update(status="runtime_error", reason=why)
     return result
 
 
