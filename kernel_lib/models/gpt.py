@@ -37,7 +37,8 @@ Parameters, with E = n_experts and d_ff the MLP width::
 
 (embedding and head, norm_f, and per block q/k/v/o, two norms and the MLP or the experts with their router);
 kv = n_kv_heads * head_dim is d unless ``n_kv_heads`` asks for grouped-query attention (k, v and the KV cache
-shrink by n_heads / n_kv_heads; every version supports it).
+shrink by n_heads / n_kv_heads; the native and kernel_lib versions support it, the naive one, written per head,
+does not).
 
 Weight layout, (out, in) for every nn.Linear weight:
 
@@ -140,6 +141,8 @@ class GPTConfig:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.impl == "naive" and self.n_kv_heads != self.n_heads:  # the naive model writes attention per head
+            raise ValueError(f"impl 'naive' has no grouped-query attention: n_kv_heads must be {self.n_heads}")
         if self.head_dim % 2:
             raise ValueError(f"the head dim d_model / n_heads must be even for RoPE's pairs, got {self.head_dim}")
         if self.impl == "kernel_lib" and self.head_dim not in HEAD_DIMS:
@@ -272,19 +275,18 @@ class NaiveAttention(nn.Module):
 
     def __init__(self, config: GPTConfig, device=None, dtype=None):
         super().__init__()
-        d, kv = config.d_model, config.kv_dim
+        d = config.d_model
         self.n_heads, self.head_dim, self.rope_base = config.n_heads, config.head_dim, config.rope_base
-        self.n_kv_heads = config.n_kv_heads
         self.q = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
-        self.k = nn.Linear(d, kv, bias=False, device=device, dtype=dtype)
-        self.v = nn.Linear(d, kv, bias=False, device=device, dtype=dtype)
+        self.k = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
+        self.v = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
         self.o = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
 
     def forward(self, x):
         B, T, C = x.shape
         q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
 
         # rotary embedding: pair i of position t turns by the angle t / base^(2i / hd)
         dim = self.head_dim
@@ -296,7 +298,6 @@ class NaiveAttention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
-        k, v = _repeat_kv(k, self.n_heads), _repeat_kv(v, self.n_heads)  # each query head its group's keys
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
         scores = scores.masked_fill(mask, float("-inf"))
@@ -310,8 +311,8 @@ class NaiveAttention(nn.Module):
         scores over the first kv_len cached keys with the positions after each query masked out."""
         B, n, C = x.shape
         q = self.q(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
-        k = self.k(x).view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
-        v = self.v(x).view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
 
         dim = self.head_dim
         inv_freq = 1.0 / (self.rope_base ** (torch.arange(0, dim, 2, device=x.device).float() / dim))
@@ -321,8 +322,7 @@ class NaiveAttention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
-        keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, Hkv, kv_len, hd)
-        keys, values = _repeat_kv(keys, self.n_heads), _repeat_kv(values, self.n_heads)
+        keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, H, kv_len, hd)
         scores = (q @ keys.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, n, kv_len)
         scores = scores.masked_fill(~_cache_mask(positions, kv_len), float("-inf"))
         att = torch.softmax(scores.float(), dim=-1).to(q.dtype)

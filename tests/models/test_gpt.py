@@ -79,13 +79,15 @@ def test_forward_backward(device, impl, dtype):
     ],
 )
 def test_versions_agree_from_the_same_weights(device, sizes):
-    models = {impl: _model(impl, device, **sizes) for impl in IMPLS}
-    for impl in ("native", "kernel_lib"):
-        transfer_weights(models["naive"], models[impl])
-    idx, targets = _tokens(models["naive"].config, device, ignored=3)
-    want_logits = models["naive"](idx)
-    want_loss, want_grads = _loss_and_grads(models["naive"], idx, targets)
-    for impl in ("native", "kernel_lib"):
+    ref = "naive" if sizes.get("n_kv_heads") is None else "native"  # the naive model has no grouped-query attention
+    others = [impl for impl in ("native", "kernel_lib") if impl != ref]
+    models = {impl: _model(impl, device, **sizes) for impl in [ref, *others]}
+    for impl in others:
+        transfer_weights(models[ref], models[impl])
+    idx, targets = _tokens(models[ref].config, device, ignored=3)
+    want_logits = models[ref](idx)
+    want_loss, want_grads = _loss_and_grads(models[ref], idx, targets)
+    for impl in others:
         torch.testing.assert_close(models[impl](idx), want_logits, atol=1e-4, rtol=1e-4, msg=f"{impl} logits")
         loss, grads = _loss_and_grads(models[impl], idx, targets)
         torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5, msg=f"{impl} loss")
@@ -143,16 +145,23 @@ def test_initialization_scales():
 
 
 def test_naive_layout_is_the_naive_models_own():
-    for sizes in (TINY, MOE, GQA):
+    for sizes in (TINY, MOE):
         model = _model("naive", "cpu", **sizes)
         shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
         assert shapes == list(_naive_shapes(model.config))
         assert all(w is not None for w in naive_layout(model).values())
 
 
-@pytest.mark.parametrize(
-    "sizes", [pytest.param(TINY, id="dense"), pytest.param(MOE, id="moe"), pytest.param(GQA, id="gqa")]
-)
+def test_grouped_query_weights_split_by_kv_dim():
+    native, kernel = _model("native", "cpu", **GQA), _model("kernel_lib", "cpu", **GQA)
+    assert dict((n, tuple(w.shape)) for n, w in naive_layout(native).items()) == dict(_naive_shapes(native.config))
+    assert naive_layout(native)["blocks.0.attn.k.weight"].shape == (32, 64)  # 2 key/value heads of 16
+    transfer_weights(native, kernel)
+    for (name, a), b in zip(naive_layout(native).items(), naive_layout(kernel).values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("sizes", [pytest.param(TINY, id="dense"), pytest.param(MOE, id="moe")])
 def test_transfer_weights_round_trip_and_dtype(sizes):
     naive, native, kernel = (_model(impl, "cpu", **sizes) for impl in IMPLS)
     transfer_weights(naive, native)
@@ -266,6 +275,7 @@ BAD_CONFIGS = [  # (changes to TINY, words)
     ({"n_layers": -1}, "n_layers must be a positive integer"),
     ({"n_kv_heads": 3}, "must be a multiple of n_kv_heads"),  # 4 query heads cannot share 3 key/value heads
     ({"n_kv_heads": 0}, "n_kv_heads must be a positive integer"),
+    ({"n_kv_heads": 2, "impl": "naive"}, "impl 'naive' has no grouped-query attention"),
     ({"d_ff": 0}, "d_ff must be a positive integer"),
     ({"max_seq_len": 16.0}, "max_seq_len must be a positive integer"),  # a float, not an int
     ({"rope_base": 0.0}, "rope_base must be > 0"),
