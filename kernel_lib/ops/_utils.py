@@ -208,6 +208,44 @@ def autotune_requested() -> bool:
     return os.environ.get("KERNEL_LIB_AUTOTUNE", "0").lower() in ("1", "true", "yes", "on")
 
 
+_compiled_together: set = set()
+_compile_threads = None
+
+
+def compile_together(key: tuple, launches: Sequence[tuple]) -> None:
+    """Compile the kernels of several launches side by side, the first time ``key`` is seen in this process.
+
+    ``launches`` holds ``(kernel, grid, args, kwargs)`` exactly as the caller is about to launch them; ``key`` must
+    change whenever Triton would compile anew (constexprs, dtypes, which ints are 1 or multiples of 16). A backward
+    that launches three new kernels otherwise compiles them one after another; here they compile in threads
+    through Triton's ``AsyncCompileMode`` (Triton 3.4 and later; earlier releases and the interpreter skip this and
+    the launches compile as they come). Nothing is launched here.
+    """
+    global _compile_threads
+    if key in _compiled_together or is_interpreting():
+        return
+    _compiled_together.add(key)
+    try:  # private API, so a Triton without it just compiles at launch
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return
+    if _compile_threads is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _compile_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kernel_lib-compile")
+    try:
+        mode = AsyncCompileMode(_compile_threads)
+    except TypeError:  # a signature this file does not know
+        return
+    try:
+        with mode:
+            for kernel, grid, args, kwargs in launches:
+                kernel.warmup(*args, grid=grid, **kwargs)
+    except RuntimeError as error:  # another AsyncCompileMode is active (a caller of ours compiles too)
+        if "already active" not in str(error):
+            raise
+
+
 def autotuned(kernel, configs: Sequence, key: list[str], smem_bytes: Callable[[object, dict], int]):
     """``kernel`` under ``triton.autotune`` over all ``configs``, for ``KERNEL_LIB_AUTOTUNE=1``.
 

@@ -43,6 +43,7 @@ from ._utils import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    compile_together,
     launch_or_op,
     pick_config,
     use_triton,
@@ -153,10 +154,10 @@ def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
     delta_lse2 = torch.empty((2, B, Hq, N), device=q.device, dtype=torch.float32)
     n_rows = B * Hq * N
     block_r = max(1, 4096 // D)
-    _attn_bwd_prep_kernel[(triton.cdiv(n_rows, block_r),)](
-        out.contiguous(), do, lse.contiguous(), dlse.float().contiguous() if dlse is not None else lse,
-        delta_lse2[0], delta_lse2[1], n_rows, HEAD_DIM=D, HAS_DLSE=dlse is not None, BLOCK_R=block_r,
-    )  # fmt: skip
+    prep_grid = (triton.cdiv(n_rows, block_r),)
+    prep_args = (out.contiguous(), do, lse.contiguous(), dlse.float().contiguous() if dlse is not None else lse,
+                 delta_lse2[0], delta_lse2[1], n_rows)  # fmt: skip
+    prep_flags = dict(HEAD_DIM=D, HAS_DLSE=dlse is not None, BLOCK_R=block_r)
     delta, lse2 = delta_lse2[0], delta_lse2[1]
     flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
@@ -165,6 +166,7 @@ def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
     dq_grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)  # noqa: E731
     dq_args = (q, k, v, do, lse2, delta, dq, *strides, Hq, N, M, Hq // Hkv, scale, window or 0)
     if autotune_requested():
+        _attn_bwd_prep_kernel[prep_grid](*prep_args, **prep_flags)
         kernels._attn_bwd_dkdv_tuned[dkdv_grid](*dkdv_args, **flags)
         kernels._attn_bwd_dq_tuned[dq_grid](*dq_args, **flags)
     else:
@@ -175,6 +177,16 @@ def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
         dq_config = pick_config(
             kernels.dq_preferred(D, causal), kernels._DQ_CONFIGS[0], kernels._smem_bytes_dq, smem_args
         )
+        # The first backward at a new specialization compiles three kernels: side by side, not one after another.
+        ints = (n_rows, *strides, Hq, Hkv, N, M, Hq // Hkv, window or 0)
+        key = (q.device, q.dtype, dlse is not None, n_rows % 4, *flags.values(), *dkdv.values(),
+               *dq_config.values(), *((i == 1, i % 16 == 0) for i in ints))  # fmt: skip
+        compile_together(key, [
+            (_attn_bwd_prep_kernel, prep_grid, prep_args, prep_flags),
+            (kernels._attn_bwd_dkdv_kernel, dkdv_grid, dkdv_args, {**flags, **dkdv}),
+            (kernels._attn_bwd_dq_kernel, dq_grid, dq_args, {**flags, **dq_config}),
+        ])  # fmt: skip
+        _attn_bwd_prep_kernel[prep_grid](*prep_args, **prep_flags)
         kernels._attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **dkdv)
         kernels._attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **dq_config)
     return dq, dk, dv

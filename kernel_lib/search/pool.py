@@ -3,7 +3,9 @@
 A worker says ``ready`` once it has imported torch and triton (allowed ``START_LIMIT`` seconds: a loaded machine
 can take many seconds for that, which is not the variant's time). The orchestrator then hands it the path of a
 control file on its stdin and reads ``done <path>`` back; the result itself is the ``result.json`` the worker
-wrote, and the timeout counts from the hand-over. A worker that hangs past the timeout is killed (its
+wrote. The timeout counts from the hand-over, and again from each ``turn <path>`` the worker sends when it takes
+the GPU's lock: workers sharing a GPU take turns, and a variant waiting behind another's hanging kernel (which
+holds the GPU until the pool kills it) is not charged for the wait. A worker that hangs past the timeout is killed (its
 process group, so a compiler it started goes too); one that dies is recorded as a crash, marked ``"died": true``
 (the search then retries that evaluation once on another worker: a ``kill -9`` or a lost GPU is not the variant's
 fault). Either way the pool writes the failed result.json itself and starts a fresh process for the next
@@ -76,9 +78,10 @@ class _Slot:
             return f"the worker process did not start within {START_LIMIT:g} s"
         return f"{why} while starting" if why else ""
 
-    def _wait_for(self, expected: str, deadline: float) -> str:
+    def _wait_for(self, expected: str, deadline: float, restart: str | None = None) -> str:
         """Read the worker's protocol lines until ``expected``: "" then, "timeout" (worker killed) or why it died.
-        Other lines are skipped (a stray print of an import, before stdout went to the log)."""
+        ``restart`` moves the deadline to one timeout from now. Other lines are skipped (a stray print of an
+        import, before stdout went to the log)."""
         while (left := deadline - time.time()) > 0:
             ready, _, _ = select.select([self.proc.stdout], [], [], left)
             if not ready:
@@ -90,6 +93,8 @@ class _Slot:
                 return why
             if line.strip() == expected:
                 return ""
+            if restart is not None and line.strip() == restart:
+                deadline = time.time() + self.timeout
         self._kill()
         return "timeout"
 
@@ -118,7 +123,7 @@ class _Slot:
         except BrokenPipeError:
             self._kill()
             return self._failed(control, result_path, "crash", "the worker process had exited", started, died=True)
-        why = self._wait_for(f"done {control_path}", started + self.timeout)
+        why = self._wait_for(f"done {control_path}", started + self.timeout, restart=f"turn {control_path}")
         if why == "timeout":
             return self._failed(control, result_path, "timeout", f"no result within {self.timeout:g} s", started)
         if why:

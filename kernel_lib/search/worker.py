@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,11 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
 
 
 @contextlib.contextmanager
-def device_turn(device: str):
-    """Hold the device's lock file: processes sharing a GPU never run or time kernels at the same time."""
+def device_turn(device: str, on_turn: Callable[[], None] | None = None):
+    """Hold the device's lock file: processes sharing a GPU never run or time kernels at the same time.
+
+    ``on_turn`` is called once the lock is held: the pool restarts the evaluation's clock then, so the time spent
+    waiting behind another worker's kernel (a hanging one holds the GPU until the pool kills it) is not charged."""
     if not device.startswith("cuda"):
         yield
         return
@@ -83,6 +87,8 @@ def device_turn(device: str):
     with open(os.path.join(tempfile.gettempdir(), f"kernel_lib_search_gpu{index}.lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
+            if on_turn is not None:
+                on_turn()
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
@@ -150,8 +156,9 @@ def _graph_check(bind, spec, case, device):
         raise Failed("stream_escape", why) from None
 
 
-def evaluate_control(control: dict) -> dict:
-    """Evaluate one variant as ``control`` says; never raises (failures are results)."""
+def evaluate_control(control: dict, on_turn: Callable[[], None] | None = None) -> dict:
+    """Evaluate one variant as ``control`` says; never raises (failures are results). ``on_turn``: see
+    :func:`device_turn`."""
     started = time.time()
     result: dict[str, Any] = {"id": control["id"], "status": "ok", "reason": "", "device": control["device"]}
     device = control["device"]
@@ -165,11 +172,11 @@ def evaluate_control(control: dict) -> dict:
             raise Failed("compile_error", _short(exc)) from None
         small = control.get("small", False)
         seed = control.get("seed", 0)
-        with device_turn(device):  # the float64 reference runs on the GPU: not while another worker times
+        with device_turn(device, on_turn):  # the float64 reference runs on the GPU: not while another worker times
             case = cached_case(spec, device, seed, small)
         if device.startswith("cuda"):
             _warm_compile(bind, spec, case, device)  # compile (no launch) outside the GPU turn
-        with device_turn(device):
+        with device_turn(device, on_turn):
             try:
                 run, outs, errors = _run_case(bind, spec, case, device, "wrong")
             except Failed:
@@ -270,21 +277,21 @@ def captured_output(folder: str):
             os.close(saved[1])
 
 
-def run_one(control_path: str) -> dict:
+def run_one(control_path: str, on_turn: Callable[[], None] | None = None) -> dict:
     """Evaluate the control file's variant; write result.json next to it; return the result."""
     control = json.loads(Path(control_path).read_text())
     folder = os.path.dirname(os.path.abspath(control_path))
     if control["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(control["device"]))
     with captured_output(folder):
-        result = evaluate_control(control)
+        result = evaluate_control(control, on_turn)
     write_json(control.get("result") or os.path.join(folder, "result.json"), result)
     return result
 
 
 def serve(protocol_fd: int) -> int:
-    """The pool's long-lived worker: 'ready' on ``protocol_fd`` once imported, then one control path per stdin line
-    and 'done <path>' after each."""
+    """The pool's long-lived worker: 'ready' on ``protocol_fd`` once imported, then one control path per stdin line,
+    'turn <path>' each time it holds the GPU for it and 'done <path>' after it."""
     channel = os.fdopen(protocol_fd, "w", buffering=1)
     channel.write("ready\n")  # torch and triton are imported: the pool starts the first evaluation's clock now
     channel.flush()
@@ -292,7 +299,7 @@ def serve(protocol_fd: int) -> int:
         path = line.strip()
         if not path:
             continue
-        result = run_one(path)
+        result = run_one(path, on_turn=lambda turn=f"turn {path}\n": (channel.write(turn), channel.flush()))
         channel.write(f"done {path}\n")
         channel.flush()
         if is_cuda_error(result):

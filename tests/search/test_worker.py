@@ -115,6 +115,25 @@ def test_the_pool_survives_crashes_and_hangs(spec_path, tmp_path):
         pool.close()
 
 
+def test_the_clock_restarts_when_the_worker_takes_the_gpu(tmp_path):
+    """Workers on one GPU take turns; one waiting behind a hanging kernel says 'turn <path>' once it holds the GPU,
+    and the pool counts its timeout from there. (Before, the illegal-access variant waited 12 s behind the endless
+    loop on an H100 and was recorded as a timeout.) A stand-in worker: turns at 1.2 and 2.4 s, done at 3.6 s,
+    against a 2 s timeout."""
+    from kernel_lib.search.pool import _Slot
+
+    script = (
+        "import sys, time\nfor line in ('turn p', 'turn p', 'done p'):\n    time.sleep(1.2); print(line, flush=True)\n"
+    )
+    slot = _Slot(0, "cpu", tmp_path, timeout=2.0)
+    slot.proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert slot._wait_for("done p", time.time() + 2.0, restart="turn p") == ""
+    slot.proc.wait()
+    slot.proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert slot._wait_for("done p", time.time() + 2.0) == "timeout"  # without the restart: cut at 2 s
+    assert slot.proc is None  # killed
+
+
 @pytest.mark.gpu
 def test_work_on_a_side_stream_is_caught(spec_path, tmp_path):
     """A launcher that runs the kernel on a stream of its own: right when the device is synchronized, but a CUDA
