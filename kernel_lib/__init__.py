@@ -25,7 +25,7 @@ from .ops.moe import MoE, moe, moe_ref
 from .ops.norms import LayerNorm, RMSNorm, layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
 from .ops.rope import rope, rope_cos_sin, rope_ref
 from .ops.softmax import softmax, softmax_ref
-from .ops.swiglu import geglu, geglu_ref, swiglu, swiglu_ref
+from .ops.swiglu import geglu, geglu_ref, swiglu, swiglu_linear, swiglu_ref
 
 __version__ = "0.1.0"
 
@@ -56,6 +56,7 @@ __all__ = [
     "softmax",
     "softmax_ref",
     "swiglu",
+    "swiglu_linear",
     "swiglu_ref",
     "geglu",
     "geglu_ref",

@@ -1,12 +1,13 @@
-"""kernel_lib.swiglu (SwiGLU and GeGLU) against float64, forward and both gradients."""
+"""kernel_lib.swiglu (SwiGLU and GeGLU) and swiglu_linear against float64, forward and every gradient."""
 
 import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kernel_lib.ops.swiglu import geglu, geglu_ref, swiglu, swiglu_ref
-from tests._checks import check_forward_backward
+from kernel_lib.ops.swiglu import geglu, geglu_ref, swiglu, swiglu_linear, swiglu_ref
+from tests._checks import check_compiled_matches_eager, check_forward_backward
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
     pytest.param(torch.float32, 1e-6, 1e-5, id="fp32"),
@@ -87,6 +88,76 @@ def test_opcheck(device):
     args = (torch.randn(3, 40, device=device), torch.randn(3, 40, device=device))
     for activation in ("silu", "gelu_tanh", "gelu"):
         torch.library.opcheck(torch.ops.kernel_lib.gated_act_fwd.default, (*args, activation))
+        torch.library.opcheck(torch.ops.kernel_lib.gated_act_bwd_with_out.default, (args[0], *args, activation))
+
+
+# ------------------------------------------------------------------------------------ swiglu_linear
+def _swiglu_linear_ref(gate, up, weight):
+    return F.linear(swiglu_ref(gate, up), weight)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize(
+    "tokens, d_ff, d_out",
+    [
+        ((7,), 40, 24),  # a few tokens, dims below one block
+        ((2, 5), 700, 48),  # batch and sequence dims; d_ff not a multiple of the block
+        ((1,), 1, 3),  # one token, d_ff of one
+    ],
+    ids=str,
+)
+def test_swiglu_linear_forward_backward(device, tokens, d_ff, d_out, dtype, atol, rtol):
+    fused = torch.randn(*tokens, 2 * d_ff, device=device).to(dtype)  # the halves of one projection, as in an MLP
+    gate, up = fused.chunk(2, dim=-1)
+    weight = (torch.randn(d_out, d_ff, device=device) / d_ff**0.5).to(dtype)
+    check_forward_backward(swiglu_linear, _swiglu_linear_ref, [gate, up, weight], atol=atol, rtol=rtol)
+
+
+def test_swiglu_linear_keeps_gate_and_up_not_the_product(device):
+    """What autograd keeps between forward and backward: with swiglu then F.linear, the (tokens, d_ff) product too;
+    with swiglu_linear, only what the activation's backward needs (storages counted once, the weight excluded)."""
+    gate_up = torch.randn(64, 2 * 96, device=device, requires_grad=True)
+    weight = torch.randn(32, 96, device=device, requires_grad=True)
+
+    def saved_storages(fn):
+        seen = set()
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():  # F.linear saves a view of it
+                seen.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(*gate_up.chunk(2, dim=-1))
+        return seen, out
+
+    unfused, out_unfused = saved_storages(lambda g, u: F.linear(swiglu(g, u), weight))
+    fused, out_fused = saved_storages(lambda g, u: swiglu_linear(g, u, weight))
+    assert len(unfused) == 2 and len(fused) == 1  # gate_up and the product; gate_up alone
+    torch.testing.assert_close(out_fused, out_unfused)
+    grads = [torch.autograd.grad(o.sum(), (gate_up, weight)) for o in (out_unfused, out_fused)]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a)  # the recomputed product is the forward's, so the gradients agree
+
+
+def test_swiglu_linear_compiles_without_graph_break(device):
+    gate, up = torch.randn(2, 6, 2 * 48, device=device).chunk(2, dim=-1)
+    weight = torch.randn(16, 48, device=device)
+    inputs = [t.detach().requires_grad_() for t in (gate, up, weight)]
+    check_compiled_matches_eager(swiglu_linear, inputs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "weight, error, words",
+    [
+        (torch.ones(3, 5), ValueError, r"weight must be \(d_out, 4\)"),  # weight's columns are not gate's width
+        (torch.ones(3, 4).half(), TypeError, "gate is float32, weight is float16"),
+        (torch.ones(4), ValueError, "weight must have 2 dims"),
+    ],
+)
+def test_swiglu_linear_bad_input_is_named(weight, error, words):
+    with pytest.raises(error, match=words):
+        swiglu_linear(torch.ones(2, 4), torch.ones(2, 4), weight)
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ Four versions; the three values of ``impl`` select the submodule classes below, 
 * ``torch.compile(GPT(config with impl="native"))`` (Level 2): the native version compiled; no code of its own.
   The dense model compiles without a graph break (the MoE's group sizes are a host sync, hence a break).
 * ``impl="kernel_lib"`` (Level 4): the native layout with kernel_lib's Triton kernels: ``RMSNorm``, ``rope``,
-  ``flash_attention`` (float16/bfloat16; float32 runs SDPA), ``swiglu``, ``linear_cross_entropy`` (the loss
+  ``flash_attention`` (float16/bfloat16; float32 runs SDPA), ``swiglu_linear``, ``linear_cross_entropy`` (the loss
   without the (B*T, V) logits) and ``MoE`` (grouped GEMMs, no host sync). They are torch.library custom ops, so
   it compiles without a graph break too.
 
@@ -97,7 +97,7 @@ from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.moe import MoE
 from ..ops.norms import RMSNorm
 from ..ops.rope import rope, rope_cos_sin
-from ..ops.swiglu import swiglu
+from ..ops.swiglu import swiglu_linear
 
 __all__ = ["GPT", "GPTConfig", "KVCache", "transfer_weights", "naive_layout", "kv_bucket", "IMPLS", "DECODE_BUCKET"]
 
@@ -510,11 +510,12 @@ class KernelAttention(NativeAttention):
 
 
 class KernelMLP(NativeMLP):
-    """NativeMLP with kernel_lib.swiglu on the two halves of the fused projection (views, no copy)."""
+    """NativeMLP with kernel_lib's SwiGLU on the two halves of the fused projection (views, no copy), fused with
+    the down projection so that the backward recomputes the product instead of keeping it (``swiglu_linear``)."""
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(swiglu(gate, up))
+        return swiglu_linear(gate, up, self.down.weight)
 
 
 class KernelMoE(MoE):

@@ -13,8 +13,18 @@ reading gate, up and dy and writing both gradients (5 tensors). Arithmetic is fl
 once to the inputs' dtype. gate and up may be any strided views with a unit-stride last dim (e.g. the two
 halves of a fused up-projection) without a copy.
 
-Registered as ``kernel_lib::gated_act_fwd`` / ``kernel_lib::gated_act_bwd`` custom ops with fake
-implementations, which the one ``autograd.Function`` calls under torch.compile, so
+In an MLP the product y feeds the down projection, whose backward needs y for its weight gradient, so autograd
+keeps y alive from the forward to the backward: d_ff elements per token and layer, next to gate and up.
+``swiglu_linear(gate, up, weight)`` = ``F.linear(swiglu(gate, up), weight)`` keeps only gate and up (which the
+activation's backward needs anyway) and has the backward kernel write y again as it computes the gradients::
+
+    dy = dout @ weight;   d_gate, d_up, y = backward kernel(dy, gate, up);   d_weight = dout^T y
+
+one extra write of y in a pass that already reads gate, up and dy; the values are bit-identical to the forward's.
+
+Registered as ``kernel_lib::gated_act_fwd``, ``kernel_lib::gated_act_bwd`` and
+``kernel_lib::gated_act_bwd_with_out`` custom ops with fake implementations, which the file's two
+``autograd.Function`` classes call under torch.compile, so
 ``torch.compile(fullgraph=True)`` traces through them. Sources: Shazeer,
 "GLU Variants Improve Transformer" (2020); Hendrycks & Gimpel, "Gaussian Error Linear Units" (2016).
 """
@@ -26,7 +36,7 @@ import triton.language as tl
 
 from ._utils import as_rows, check_same_device, check_same_dtype, check_shape, check_tensor, launch_or_op, use_triton
 
-__all__ = ["swiglu", "geglu", "swiglu_ref", "geglu_ref"]
+__all__ = ["swiglu", "geglu", "swiglu_linear", "swiglu_ref", "geglu_ref"]
 
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # the ACTIVATION constexpr of the kernels
 BLOCK = 2048  # elements per program
@@ -93,12 +103,14 @@ def _gated_bwd_kernel(
     up_ptr,  # (n_rows, D), unit stride along D
     dgate_ptr,  # (n_rows, D) contiguous
     dup_ptr,  # (n_rows, D) contiguous
+    out_ptr,  # (n_rows, D) contiguous: act(gate) * up again, written when WRITE_OUT
     dy_row_stride,  # elements between rows of dy
     gate_row_stride,  # elements between rows of gate
     up_row_stride,  # elements between rows of up
     D,  # row width
     blocks_per_row,  # cdiv(D, BLOCK)
     ACTIVATION: tl.constexpr,  # 0 silu, 1 gelu tanh, 2 gelu erf
+    WRITE_OUT: tl.constexpr,  # also write the forward's product (swiglu_linear's weight gradient needs it)
     BLOCK: tl.constexpr,  # elements per program
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -111,6 +123,8 @@ def _gated_bwd_kernel(
     act, slope = _activation_and_slope(g, ACTIVATION)
     tl.store(dgate_ptr + row * D + cols, (dy * u * slope).to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + row * D + cols, (dy * act).to(dup_ptr.dtype.element_ty), mask=mask)
+    if WRITE_OUT:
+        tl.store(out_ptr + row * D + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -137,19 +151,20 @@ def _forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Ten
     return out
 
 
-def _backward(dy, gate, up, activation):
+def _backward(dy, gate, up, activation, with_out: bool = False):
+    """(d_gate, d_up), and with ``with_out`` also act(gate) * up as the forward computed it."""
     dgate = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     dup = torch.empty(up.shape, device=up.device, dtype=up.dtype)
-    if gate.numel() == 0:
-        return dgate, dup
-    dy_rows, g_rows, u_rows = _grid_rows(dy, gate, up)
-    n_rows, D = g_rows.shape
-    blocks_per_row = triton.cdiv(D, BLOCK)
-    _gated_bwd_kernel[(n_rows * blocks_per_row,)](
-        dy_rows, g_rows, u_rows, dgate, dup, dy_rows.stride(0), g_rows.stride(0), u_rows.stride(0), D, blocks_per_row,
-        ACTIVATION=_ACTIVATIONS[activation], BLOCK=BLOCK, num_warps=8,
-    )  # fmt: skip
-    return dgate, dup
+    out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype) if with_out else dgate  # dgate: unused
+    if gate.numel() > 0:
+        dy_rows, g_rows, u_rows = _grid_rows(dy, gate, up)
+        n_rows, D = g_rows.shape
+        blocks_per_row = triton.cdiv(D, BLOCK)
+        _gated_bwd_kernel[(n_rows * blocks_per_row,)](
+            dy_rows, g_rows, u_rows, dgate, dup, out, dy_rows.stride(0), g_rows.stride(0), u_rows.stride(0), D,
+            blocks_per_row, ACTIVATION=_ACTIVATIONS[activation], WRITE_OUT=with_out, BLOCK=BLOCK, num_warps=8,
+        )  # fmt: skip
+    return (dgate, dup, out) if with_out else (dgate, dup)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,6 +192,18 @@ def _(dy, gate, up, activation):
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
+@torch.library.custom_op("kernel_lib::gated_act_bwd_with_out", mutates_args=())
+def _gated_bwd_with_out_op(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dy, gate, up, activation, with_out=True)
+
+
+@_gated_bwd_with_out_op.register_fake
+def _(dy, gate, up, activation):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape), gate.new_empty(gate.shape)
+
+
 # --------------------------------------------------------------------------------------------------
 # Autograd: the launchers in eager mode, the ops under torch.compile (see _utils.launch_or_op)
 # --------------------------------------------------------------------------------------------------
@@ -192,6 +219,30 @@ class _GatedActivation(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dgate, dup = launch_or_op(_backward, _gated_bwd_op)(dy, gate, up, ctx.activation)
         return dgate, dup, None
+
+
+def _backward_with_out(dy, gate, up, activation):
+    return _backward(dy, gate, up, activation, with_out=True)
+
+
+class _GatedLinear(torch.autograd.Function):
+    """F.linear(act(gate) * up, weight) keeping gate and up for the backward, not the product."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(gate, up, weight)
+        return F.linear(launch_or_op(_forward, _gated_fwd_op)(gate, up, activation), weight)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up, weight = ctx.saved_tensors
+        dy = dout.matmul(weight)  # (..., D)
+        dgate, dup, y = launch_or_op(_backward_with_out, _gated_bwd_with_out_op)(dy, gate, up, ctx.activation)
+        dweight = None
+        if ctx.needs_input_grad[2]:  # dout^T y over every token: (d_out, D)
+            dweight = dout.reshape(-1, dout.shape[-1]).t().matmul(y.reshape(-1, y.shape[-1]))
+        return dgate, dup, dweight, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,6 +262,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not use_triton(gate, up, op="swiglu"):  # CPU without the interpreter: the reference, differentiated by autograd
         return swiglu_ref(gate, up)
     return _GatedActivation.apply(gate, up, "silu")
+
+
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(swiglu(gate, up), weight)``, an MLP's activation and down projection, keeping gate and up for the
+    backward instead of the product (d_ff elements less per token); weight is (d_out, D) for gate and up (..., D)."""
+    _check(gate, up)
+    check_tensor(weight, "weight", ndim=2)
+    if weight.shape[1] != gate.shape[-1]:
+        raise ValueError(f"weight must be (d_out, {gate.shape[-1]}) for gate's last dim, got {tuple(weight.shape)}")
+    check_same_dtype(gate=gate, weight=weight)
+    check_same_device(gate=gate, weight=weight)
+    if not use_triton(gate, up, op="swiglu_linear"):  # CPU without the interpreter: the reference, autograd
+        return F.linear(swiglu_ref(gate, up), weight)
+    return _GatedLinear.apply(gate, up, weight, "silu")
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:

@@ -3,9 +3,10 @@
 A worker says ``ready`` once it has imported torch and triton (allowed ``START_LIMIT`` seconds: a loaded machine
 can take many seconds for that, which is not the variant's time). The orchestrator then hands it the path of a
 control file on its stdin and reads ``done <path>`` back; the result itself is the ``result.json`` the worker
-wrote. The timeout counts from the hand-over, and again from each ``turn <path>`` the worker sends when it takes
-the GPU's lock: workers sharing a GPU take turns, and a variant waiting behind another's hanging kernel (which
-holds the GPU until the pool kills it) is not charged for the wait. A worker that hangs past the timeout is killed (its
+wrote. The timeout counts from the hand-over. Workers sharing a GPU take turns through a lock file, and a variant
+waiting behind another's hanging kernel (which holds the GPU until the pool kills it) is not charged for the wait:
+the worker says ``wait <path>`` before it blocks on the lock (the clock stops, up to ``LOCK_WAIT_LIMIT``) and
+``turn <path>`` once it holds it (the timeout counts afresh). A worker that hangs past the timeout is killed (its
 process group, so a compiler it started goes too); one that dies is recorded as a crash, marked ``"died": true``
 (the search then retries that evaluation once on another worker: a ``kill -9`` or a lost GPU is not the variant's
 fault). Either way the pool writes the failed result.json itself and starts a fresh process for the next
@@ -34,6 +35,7 @@ from pathlib import Path
 from .worker import write_json
 
 START_LIMIT = 120.0  # seconds for a fresh worker to import torch and triton before its first evaluation
+LOCK_WAIT_LIMIT = 3600.0  # seconds a worker may wait for the GPU's lock (every holder is cut at its own timeout)
 
 
 def devices_for(gpus: list[int]) -> list[str]:
@@ -78,10 +80,10 @@ class _Slot:
             return f"the worker process did not start within {START_LIMIT:g} s"
         return f"{why} while starting" if why else ""
 
-    def _wait_for(self, expected: str, deadline: float, restart: str | None = None) -> str:
+    def _wait_for(self, expected: str, deadline: float, path: str | None = None) -> str:
         """Read the worker's protocol lines until ``expected``: "" then, "timeout" (worker killed) or why it died.
-        ``restart`` moves the deadline to one timeout from now. Other lines are skipped (a stray print of an
-        import, before stdout went to the log)."""
+        With ``path``, 'wait <path>' moves the deadline to ``LOCK_WAIT_LIMIT`` from now and 'turn <path>' to one
+        timeout from now. Other lines are skipped (a stray print of an import, before stdout went to the log)."""
         while (left := deadline - time.time()) > 0:
             ready, _, _ = select.select([self.proc.stdout], [], [], left)
             if not ready:
@@ -93,7 +95,9 @@ class _Slot:
                 return why
             if line.strip() == expected:
                 return ""
-            if restart is not None and line.strip() == restart:
+            if path is not None and line.strip() == f"wait {path}":
+                deadline = time.time() + LOCK_WAIT_LIMIT
+            elif path is not None and line.strip() == f"turn {path}":
                 deadline = time.time() + self.timeout
         self._kill()
         return "timeout"
@@ -123,7 +127,7 @@ class _Slot:
         except BrokenPipeError:
             self._kill()
             return self._failed(control, result_path, "crash", "the worker process had exited", started, died=True)
-        why = self._wait_for(f"done {control_path}", started + self.timeout, restart=f"turn {control_path}")
+        why = self._wait_for(f"done {control_path}", started + self.timeout, path=control_path)
         if why == "timeout":
             return self._failed(control, result_path, "timeout", f"no result within {self.timeout:g} s", started)
         if why:

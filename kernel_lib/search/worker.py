@@ -75,20 +75,26 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
 
 
 @contextlib.contextmanager
-def device_turn(device: str, on_turn: Callable[[], None] | None = None):
+def device_turn(device: str, signal: Callable[[str], None] | None = None):
     """Hold the device's lock file: processes sharing a GPU never run or time kernels at the same time.
 
-    ``on_turn`` is called once the lock is held: the pool restarts the evaluation's clock then, so the time spent
-    waiting behind another worker's kernel (a hanging one holds the GPU until the pool kills it) is not charged."""
+    ``signal("wait")`` is called before blocking on a lock another process holds, ``signal("turn")`` once the lock
+    is held: the pool stops the evaluation's clock while it waits (a hanging kernel of another worker holds the GPU
+    until the pool kills it) and starts it afresh with the turn."""
     if not device.startswith("cuda"):
         yield
         return
     index = torch.device(device).index or 0
     with open(os.path.join(tempfile.gettempdir(), f"kernel_lib_search_gpu{index}.lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            if on_turn is not None:
-                on_turn()
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if signal is not None:
+                signal("wait")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            if signal is not None:
+                signal("turn")
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
@@ -156,8 +162,8 @@ def _graph_check(bind, spec, case, device):
         raise Failed("stream_escape", why) from None
 
 
-def evaluate_control(control: dict, on_turn: Callable[[], None] | None = None) -> dict:
-    """Evaluate one variant as ``control`` says; never raises (failures are results). ``on_turn``: see
+def evaluate_control(control: dict, signal: Callable[[str], None] | None = None) -> dict:
+    """Evaluate one variant as ``control`` says; never raises (failures are results). ``signal``: see
     :func:`device_turn`."""
     started = time.time()
     result: dict[str, Any] = {"id": control["id"], "status": "ok", "reason": "", "device": control["device"]}
@@ -172,11 +178,11 @@ def evaluate_control(control: dict, on_turn: Callable[[], None] | None = None) -
             raise Failed("compile_error", _short(exc)) from None
         small = control.get("small", False)
         seed = control.get("seed", 0)
-        with device_turn(device, on_turn):  # the float64 reference runs on the GPU: not while another worker times
+        with device_turn(device, signal):  # the float64 reference runs on the GPU: not while another worker times
             case = cached_case(spec, device, seed, small)
         if device.startswith("cuda"):
             _warm_compile(bind, spec, case, device)  # compile (no launch) outside the GPU turn
-        with device_turn(device, on_turn):
+        with device_turn(device, signal):
             try:
                 run, outs, errors = _run_case(bind, spec, case, device, "wrong")
             except Failed:
@@ -277,21 +283,21 @@ def captured_output(folder: str):
             os.close(saved[1])
 
 
-def run_one(control_path: str, on_turn: Callable[[], None] | None = None) -> dict:
+def run_one(control_path: str, signal: Callable[[str], None] | None = None) -> dict:
     """Evaluate the control file's variant; write result.json next to it; return the result."""
     control = json.loads(Path(control_path).read_text())
     folder = os.path.dirname(os.path.abspath(control_path))
     if control["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(control["device"]))
     with captured_output(folder):
-        result = evaluate_control(control, on_turn)
+        result = evaluate_control(control, signal)
     write_json(control.get("result") or os.path.join(folder, "result.json"), result)
     return result
 
 
 def serve(protocol_fd: int) -> int:
     """The pool's long-lived worker: 'ready' on ``protocol_fd`` once imported, then one control path per stdin line,
-    'turn <path>' each time it holds the GPU for it and 'done <path>' after it."""
+    'wait <path>' when it waits for the GPU's lock, 'turn <path>' when it holds it, and 'done <path>' at the end."""
     channel = os.fdopen(protocol_fd, "w", buffering=1)
     channel.write("ready\n")  # torch and triton are imported: the pool starts the first evaluation's clock now
     channel.flush()
@@ -299,7 +305,7 @@ def serve(protocol_fd: int) -> int:
         path = line.strip()
         if not path:
             continue
-        result = run_one(path, on_turn=lambda turn=f"turn {path}\n": (channel.write(turn), channel.flush()))
+        result = run_one(path, signal=lambda event, path=path: (channel.write(f"{event} {path}\n"), channel.flush()))
         channel.write(f"done {path}\n")
         channel.flush()
         if is_cuda_error(result):

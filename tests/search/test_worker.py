@@ -90,7 +90,7 @@ def test_the_pool_survives_crashes_and_hangs(spec_path, tmp_path):
         results = {}
         while len(results) < len(IN_A_WORKER):
             results.update(pool.wait())
-        # in parallel, each cut at the timeout (one after another: 36 s or more)
+        # each cut at the timeout: side by side on the CPU; on a GPU the two hanging ones take the lock in turn
         assert time.time() - started < 3 * POOL_TIMEOUT
         for bad in IN_A_WORKER:
             result = results[bad.name]
@@ -115,22 +115,24 @@ def test_the_pool_survives_crashes_and_hangs(spec_path, tmp_path):
         pool.close()
 
 
-def test_the_clock_restarts_when_the_worker_takes_the_gpu(tmp_path):
-    """Workers on one GPU take turns; one waiting behind a hanging kernel says 'turn <path>' once it holds the GPU,
-    and the pool counts its timeout from there. (Before, the illegal-access variant waited 12 s behind the endless
-    loop on an H100 and was recorded as a timeout.) A stand-in worker: turns at 1.2 and 2.4 s, done at 3.6 s,
-    against a 2 s timeout."""
+def test_the_clock_stops_while_the_worker_waits_for_the_gpu(tmp_path):
+    """Workers on one GPU take turns through a lock; one waiting behind a hanging kernel says 'wait <path>' (the clock
+    stops) and 'turn <path>' once it holds the GPU (the timeout counts afresh). Before, the illegal-access variant
+    waited behind the endless loop and the sleeping launcher on an H100 and was recorded as a timeout. A stand-in
+    worker against a 2 s timeout: wait at 0.5 s, turn at 3 s, done at 4 s."""
     from kernel_lib.search.pool import _Slot
 
     script = (
-        "import sys, time\nfor line in ('turn p', 'turn p', 'done p'):\n    time.sleep(1.2); print(line, flush=True)\n"
+        "import time\n"
+        "for pause, line in ((0.5, 'wait p'), (2.5, 'turn p'), (1.0, 'done p')):\n"
+        "    time.sleep(pause); print(line, flush=True)\n"
     )
     slot = _Slot(0, "cpu", tmp_path, timeout=2.0)
     slot.proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert slot._wait_for("done p", time.time() + 2.0, restart="turn p") == ""
+    assert slot._wait_for("done p", time.time() + 2.0, path="p") == ""
     slot.proc.wait()
     slot.proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert slot._wait_for("done p", time.time() + 2.0) == "timeout"  # without the restart: cut at 2 s
+    assert slot._wait_for("done p", time.time() + 2.0, path="other") == "timeout"  # another path's lines: cut at 2 s
     assert slot.proc is None  # killed
 
 
