@@ -219,7 +219,7 @@ def compile_together(key: tuple, launches: Sequence[tuple]) -> None:
     change whenever Triton would compile anew (constexprs, dtypes, which ints are 1 or multiples of 16). A backward
     that launches three new kernels otherwise compiles them one after another; here they compile in threads
     through Triton's ``AsyncCompileMode`` (Triton 3.4 and later; earlier releases and the interpreter skip this and
-    the launches compile as they come). Nothing is launched here.
+    the launches compile as they come), and are then loaded side by side too. Nothing is launched here.
     """
     global _compile_threads
     if key in _compiled_together or is_interpreting():
@@ -237,13 +237,30 @@ def compile_together(key: tuple, launches: Sequence[tuple]) -> None:
         mode = AsyncCompileMode(_compile_threads)
     except TypeError:  # a signature this file does not know
         return
+    compiled = []
     try:
         with mode:
             for kernel, grid, args, kwargs in launches:
-                kernel.warmup(*args, grid=grid, **kwargs)
+                compiled.append(kernel.warmup(*args, grid=grid, **kwargs))
     except RuntimeError as error:  # another AsyncCompileMode is active (a caller of ours compiles too)
         if "already active" not in str(error):
             raise
+        return
+    # A kernel is loaded at its first launch, and some Triton releases first build its C launcher there (a call
+    # of the system's C compiler, about 0.3 s): side by side too, on the launches' device.
+    index = device_index_of(dict(enumerate(launches[0][2]))) if launches else None
+
+    def load(kernel) -> None:
+        with torch.cuda.device(index or 0):
+            kernel._init_handles()
+
+    kernels = [k.result() if hasattr(k, "result") else k for k in compiled]  # futures, resolved by now
+    loads = [_compile_threads.submit(load, k) for k in kernels if hasattr(k, "_init_handles")]  # private: may be absent
+    for future in loads:
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001, S110 - the launch raises it again, with Triton's own message
+            pass
 
 
 def autotuned(kernel, configs: Sequence, key: list[str], smem_bytes: Callable[[object, dict], int]):
