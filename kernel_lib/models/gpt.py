@@ -258,13 +258,6 @@ class NaiveRMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def _repeat_kv(x, n_heads: int):
-    """Keys or values (B, Hkv, T, hd) repeated to (B, n_heads, T, hd): query head h reads key/value head
-    h // (n_heads / Hkv), the grouping of flash_attention, SDPA's enable_gqa and Hugging Face's repeat_kv."""
-    group = n_heads // x.shape[1]
-    return x if group == 1 else x.repeat_interleave(group, dim=1)
-
-
 def rotate_half(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
@@ -376,6 +369,13 @@ def _rope_buffers(module: nn.Module, config: GPTConfig, device) -> None:
     cos, sin = rope_cos_sin(config.max_seq_len, config.head_dim, config.rope_base, device=device)
     module.register_buffer("cos", cos, persistent=False)
     module.register_buffer("sin", sin, persistent=False)
+
+
+def _repeat_kv(x, n_heads: int):
+    """Keys or values (B, Hkv, T, hd) repeated to (B, n_heads, T, hd): query head h reads key/value head
+    h // (n_heads / Hkv), the grouping of flash_attention, SDPA's enable_gqa and Hugging Face's repeat_kv."""
+    group = n_heads // x.shape[1]
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
 def _sdpa(q, k, v, attn_mask=None, is_causal: bool = False):
