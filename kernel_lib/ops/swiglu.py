@@ -20,7 +20,8 @@ activation's backward needs anyway) and has the backward kernel write y again as
 
     dy = dout @ weight;   d_gate, d_up, y = backward kernel(dy, gate, up);   d_weight = dout^T y
 
-one extra write of y in a pass that already reads gate, up and dy; the values are bit-identical to the forward's.
+one extra write of y in a pass that already reads gate, up and dy, computed by the forward's formula from the same
+inputs.
 
 Registered as ``kernel_lib::gated_act_fwd``, ``kernel_lib::gated_act_bwd`` and
 ``kernel_lib::gated_act_bwd_with_out`` custom ops with fake implementations, which the file's two
