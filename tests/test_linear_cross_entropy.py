@@ -46,6 +46,20 @@ def test_forward_backward(device, small_chunks, shape, dtype, atol, rtol, reduct
     check_forward_backward(kernel, reference, [h, weight, target], atol=atol, rtol=rtol, grads=[0, 1])
 
 
+@pytest.mark.parametrize(
+    "T, V, chunks",
+    [
+        (4096, 128256, 4),  # Llama 3's head at 2 x 2048 tokens: 4 chunks of 256 MB, not 2 of 512 MB
+        (8192, 128256, 4),  # 512 MB chunks: the minimum and the byte cap agree
+        (16384, 128256, 8),  # past the cap: chunks of at most 512 MB
+        (3, 50, 3),  # fewer rows than MIN_CHUNKS: one row each
+    ],
+)
+def test_chunks_are_at_most_512_mb_and_at_least_four(T, V, chunks):
+    rows = lce_module._chunk_rows(T, V, 2)
+    assert -(-T // rows) == chunks and rows * V * 2 <= lce_module.CHUNK_BYTES
+
+
 def test_gradient_of_h_only(device, small_chunks):
     h, weight, target = _inputs(20, 32, 300, torch.float32, device)
     small_chunks(300, 4)

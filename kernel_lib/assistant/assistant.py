@@ -10,8 +10,8 @@
    training step: ``estimated_speedup`` is that measured ratio, never a number from a table;
 3. **combine**: apply the validated fixes one after another, best first (module swaps, then the fused loss, then
    precision, then compilation), keeping each only if the combined model still validates and the step gets
-   faster by more than the timing noise (2%), or, no slower, its peak memory drops by more than 10%: a fix that
-   makes a fast model slower is reported and not applied;
+   faster by more than the timing noise (2%), or its peak memory drops by more than 10% while the step gets no
+   slower than the noise: a fix that makes a fast model slower is reported and not applied;
 4. **report**: the before/after table, the waterfall of step times, the validation of the final model.
 """
 
@@ -32,15 +32,16 @@ from .findings import KINDS, Finding
 from .report import Opportunity, OptimizationResult, WaterfallStep
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-NOISE = 0.02  # a combined fix must cut the step time by more than this share to be kept...
-LEANER = 0.10  # ...or be no slower and cut the step's peak memory by more than this share
+NOISE = 0.02  # timings this close are a tie: a combined fix must cut the step time by more to be kept...
+LEANER = 0.10  # ...or cut the step's peak memory by more than this share, with the step not slower than NOISE
 
 
 def _worth_keeping(cost, current_ms: float, current_peak: float) -> bool:
-    """Faster by more than NOISE, or no slower with a peak memory lower by more than LEANER (NaN peaks: no)."""
+    """Faster by more than NOISE, or leaner by more than LEANER and not slower by more than NOISE (NaN peaks:
+    no): the same noise decides "faster" and "slower", so a memory saving is not refused for a tie."""
     if cost.ms < current_ms * (1 - NOISE):
         return True
-    return cost.ms <= current_ms and cost.peak_bytes < current_peak * (1 - LEANER)
+    return cost.ms <= current_ms * (1 + NOISE) and cost.peak_bytes < current_peak * (1 - LEANER)
 
 
 def split_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -363,8 +364,8 @@ class CompilerOptimizationAssistant:
 
     def combine(self, result: OptimizationResult, chosen: list[Opportunity]) -> OptimizationResult:
         """Apply ``chosen`` one after another (module swaps first, best first within a group), keeping each one
-        that validates and cuts the step time by more than NOISE (or, no slower, the peak memory by more than
-        LEANER); fills the waterfall and the final model."""
+        that validates and cuts the step time by more than NOISE (or the peak memory by more than LEANER, no
+        slower than NOISE); fills the waterfall and the final model."""
         model, args, kwargs = result._original, result.args, result.kwargs
         kept: list[Opportunity] = []
         current_ms = result.baseline.ms

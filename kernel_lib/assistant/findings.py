@@ -49,9 +49,10 @@ KINDS: dict[str, Kind] = {
         Kind("manual_norm", "RMSNorm or LayerNorm written out: several passes over the activations",
              "rsqrt of a mean of squares (or of a variance) in the recorded data flow",
              "kernel_lib.RMSNorm / kernel_lib.LayerNorm (one pass forward, one backward)", "fused_norm", "Level 4"),
-        Kind("unfused_activation", "silu(a) * b or gelu(a) * b as separate kernels, and two projections for a, b",
+        Kind("unfused_activation", "silu(a) * b or gelu(a) * b as separate kernels, each output kept for the backward",
              "an activation whose output is multiplied by another projection of the same input",
-             "kernel_lib.swiglu / kernel_lib.geglu on one fused gate-up projection", "fused_gated_mlp", "Level 4"),
+             "kernel_lib.swiglu_linear (with the down projection; the product is recomputed, not kept) / "
+             "kernel_lib.geglu", "fused_gated_mlp", "Level 4"),
         Kind("unfused_cross_entropy", "a large-vocabulary head writes full logits, then cross-entropy reads them",
              "a Linear with many outputs feeding cross_entropy; the logits' bytes",
              "kernel_lib.linear_cross_entropy (the logits never reach memory)", "fused_linear_cross_entropy",

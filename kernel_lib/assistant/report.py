@@ -128,8 +128,8 @@ class OptimizationResult:
             helped = [o for o in self.optimization_opportunities if o.estimated_speedup]
             if helped:
                 return (
-                    "No fix applied: none made the step faster by more than the timing noise (or leaner and no "
-                    "slower), so the model is left as it was."
+                    "No fix applied: none made the step faster by more than the timing noise (or leaner and not "
+                    "slower than it), so the model is left as it was."
                 )
             return "No fix applied."
         final = self.final or self.baseline

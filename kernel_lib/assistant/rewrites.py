@@ -12,7 +12,7 @@ Rewrites and the finding kinds they fix:
 technique                    kind                         what it does
 ===========================  ===========================  ===========================================================
 ``fused_norm``               ``manual_norm``              the module becomes ``kernel_lib.RMSNorm`` / ``LayerNorm``
-``fused_gated_mlp``          ``unfused_activation``       one gate-up GEMM and ``kernel_lib.swiglu`` / ``geglu``
+``fused_gated_mlp``          ``unfused_activation``       ``kernel_lib.swiglu_linear`` (no product kept) / ``geglu``
 ``flash_attention``          ``manual_attention``         fused QKV GEMM, RoPE kernel, ``kernel_lib.flash_attention``
 ``grouped_moe``              ``expert_loop``              ``kernel_lib.moe``: grouped GEMMs, no host sync
 ``fused_linear_cross_entropy`` ``unfused_cross_entropy``  ``kernel_lib.linear_cross_entropy`` on the last hidden state
@@ -116,8 +116,9 @@ def fused_norm(model: torch.nn.Module, finding: Finding) -> list[str]:
 
 
 class FusedGatedMLP(torch.nn.Module):
-    """down(act(gate(x)) * up(x)) as one gate-up GEMM and one fused activation kernel; the original Linear
-    modules stay as children under their own names."""
+    """down(act(gate(x)) * up(x)) with one fused activation kernel; with SiLU, fused with the down projection
+    (``swiglu_linear``: the backward recomputes the product instead of keeping it). The original Linear modules
+    stay as children under their own names."""
 
     def __init__(self, names: dict[str, str], linears: dict[str, torch.nn.Linear], activation: str, approximate: str):
         super().__init__()
@@ -129,14 +130,22 @@ class FusedGatedMLP(torch.nn.Module):
         return getattr(self, self.names[role].replace(".", "_"))
 
     def forward(self, x):
-        gate, up = _cat_linear(x, [self._get("gate"), self._get("up")]).chunk(2, dim=-1)
+        # two GEMMs, not one on weights concatenated per call: that copy (2 d_ff x d per layer) would be kept for the
+        # backward, a cost the original model does not have
+        gate, up = self._get("gate")(x), self._get("up")(x)
+        down = self._get("down")
         if not _kernels_apply(x):
             h = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate=self.approximate)) * up
+        elif self.activation == "silu" and down.weight.dtype == gate.dtype:
+            # the activation and the down projection as one op: its backward recomputes the product instead of
+            # keeping it (d_ff elements per token less, the largest saved tensor of an MLP)
+            y = ops.swiglu.swiglu_linear(gate, up, down.weight)
+            return y if down.bias is None else y + down.bias
         elif self.activation == "silu":
             h = ops.swiglu.swiglu(gate, up)
         else:
             h = ops.swiglu.geglu(gate, up, approximate=self.approximate)
-        return self._get("down")(h)
+        return down(h)
 
 
 def fused_gated_mlp(model: torch.nn.Module, finding: Finding) -> list[str]:

@@ -172,7 +172,7 @@ def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
     else:
         smem_args = {"HEAD_DIM": D, "q": q}
         dkdv = pick_config(
-            kernels.dkdv_preferred(N, D, causal), kernels._DKDV_CONFIGS[0], kernels._smem_bytes_dkdv, smem_args
+            kernels.dkdv_preferred(N, D, causal, window), kernels._DKDV_CONFIGS[0], kernels._smem_bytes_dkdv, smem_args
         )
         dq_config = pick_config(
             kernels.dq_preferred(D, causal), kernels._DQ_CONFIGS[0], kernels._smem_bytes_dq, smem_args

@@ -4,6 +4,8 @@ Split from ``attention.py``, which holds the definition, launchers, registration
 algorithm; copy both files (and ``_utils.py``) together.
 """
 
+from typing import Optional
+
 import triton
 import triton.language as tl
 
@@ -39,9 +41,9 @@ _FWD_CONFIGS = _configs((32, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 1
 
 def fwd_preferred(N: int, D: int, causal: bool, window: bool) -> list:
     """Forward configs for this shape, best first. 128-query tiles win once each program has many key blocks to
-    stream; short or windowed rows, and small heads under a causal mask, leave too little work per tile for them."""
+    stream; windowed rows, and causal rows shorter than 2,048 keys, leave too little work per tile for them."""
     small, large = _FWD_CONFIGS[1], _FWD_CONFIGS[2]
-    few_keys = window or (N <= 1024 if D >= 128 else causal and N < 4096)
+    few_keys = window or (causal and N < 2048)
     return [small, _FWD_CONFIGS[0]] if few_keys else [large, small, _FWD_CONFIGS[0]]
 
 
@@ -227,11 +229,12 @@ _DKDV_CONFIGS = _configs((32, 32, 4, 2), (32, 128, 4, 3), (32, 128, 4, 5), (64, 
 _DQ_CONFIGS = _configs((32, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 3), (64, 64, 4, 3))
 
 
-def dkdv_preferred(N: int, D: int, causal: bool) -> list:
-    """dK/dV configs, best first: 128 keys held per program; with small heads, 64 unless long causal rows."""
+def dkdv_preferred(N: int, D: int, causal: bool, window: Optional[int] = None) -> list:
+    """dK/dV configs, best first: 128 keys held per program; with small heads, 64 keys, unless many queries
+    stream past each key block (causal rows of 2,048 or more, windows wider than 2,048)."""
     if D >= 128:
         return [_DKDV_CONFIGS[3], _DKDV_CONFIGS[4], _DKDV_CONFIGS[0]]
-    if causal and N >= 3000:
+    if causal and (N >= 2048 if window is None else window > 2048):
         return [_DKDV_CONFIGS[1], _DKDV_CONFIGS[4], _DKDV_CONFIGS[0]]
     return [_DKDV_CONFIGS[4], _DKDV_CONFIGS[0]]
 

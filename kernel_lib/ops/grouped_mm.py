@@ -64,9 +64,10 @@ def _smem_bytes(config, args) -> int:
     return config.num_stages * (kw["BLOCK_M"] * kw["BLOCK_K"] + kw["BLOCK_K"] * kw["BLOCK_N"]) * element
 
 
-def fwd_preferred(T: int, N: int, E: int, device: torch.device) -> list:
+def fwd_preferred(T: int, N: int, E: int, device: torch.device, transposed: bool = False) -> list:
     """Configs of the forward kernel (and of dx, the same kernel on w transposed), best first: 128 x 256 tiles when
-    there are enough of them to fill the GPU a few times over, else 128 x 128 so that more programs run."""
+    there are enough of them to fill the GPU twice over, else 128 x 128 so that more programs run. Reading w
+    transposed (dx), the wide tiles' strided loads pay off only with twice as many tiles again."""
     big, mid, small = _CONFIGS[3], _CONFIGS[1], _CONFIGS[0]
     tiles = (triton.cdiv(T, 128) + E) * triton.cdiv(N, 256)
     sms = (
@@ -74,7 +75,7 @@ def fwd_preferred(T: int, N: int, E: int, device: torch.device) -> list:
         if device.type == "cuda"
         else 1
     )
-    return [big, mid, small] if tiles >= 4 * sms else [mid, small]
+    return [big, mid, small] if tiles >= (8 if transposed else 2) * sms else [mid, small]
 
 
 def dw_preferred() -> list:
@@ -218,7 +219,8 @@ def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     if autotune_requested():
         _grouped_mm_tuned[grid](*args, **flags)
     else:
-        config = pick_config(fwd_preferred(T, N, E, x.device), _CONFIGS[0], _smem_bytes, {"x_ptr": x})
+        preferred = fwd_preferred(T, N, E, x.device, transposed=w.stride(2) != 1)
+        config = pick_config(preferred, _CONFIGS[0], _smem_bytes, {"x_ptr": x})
         _grouped_mm_kernel[grid](*args, **flags, **config)
     return out
 

@@ -17,9 +17,10 @@ which then recomputes each chunk's logits (four matmuls). Extra memory is one ch
 
 Precision: each chunk's dweight product accumulates in float32 inside the matmul and is added to dweight in the
 weight's dtype, so dweight is rounded once per chunk, and its error grows with the number of chunks (measured on
-the CPU in bf16: benchmarks/NOTES.md, "Linear cross-entropy: chunks and dweight precision"). Hence large chunks
-(``CHUNK_BYTES`` = 512 MB: 4 chunks for 8192 tokens x 128256 vocabulary in bf16); a float32 accumulator would
-cost 4 V d bytes (2 GB for Llama 3's head), more than the logits chunks save.
+the CPU in bf16: benchmarks/NOTES.md, "Linear cross-entropy: chunks and dweight precision"). Hence large chunks:
+``MIN_CHUNKS`` = 4 of them (a quarter of the logits alive at a time, within the course's precision rule in that
+measurement), more only where a chunk would exceed ``CHUNK_BYTES`` = 512 MB (8192 tokens x 128256 vocabulary in
+bf16: 4 chunks); a float32 accumulator would cost 4 V d bytes (2 GB for Llama 3's head), more than chunks save.
 
 Sources: Liger-Kernel's fused linear cross-entropy; Wijmans et al., "Cut Your Losses in Large-Vocabulary
 Language Models" (2024).
@@ -34,7 +35,8 @@ from .cross_entropy import _forward as _ce_forward
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref"]
 
-CHUNK_BYTES = 2**29  # logits bytes per chunk of rows (512 MB); fewer chunks, fewer roundings of dweight
+CHUNK_BYTES = 2**29  # logits bytes per chunk of rows (512 MB) at most; fewer chunks, fewer roundings of dweight
+MIN_CHUNKS = 4  # but at least this many: a quarter of the logits at a time, precision as measured for 4 chunks
 
 
 def linear_cross_entropy_ref(
@@ -47,7 +49,7 @@ def linear_cross_entropy_ref(
 
 
 def _chunk_rows(T: int, V: int, element_bytes: int) -> int:
-    return max(1, min(T, CHUNK_BYTES // max(1, V * element_bytes)))
+    return max(1, min(T, CHUNK_BYTES // max(1, V * element_bytes), -(-T // MIN_CHUNKS)))
 
 
 def _fused_pass(h, weight, target, ignore_index, dloss_rows, need_loss=True):

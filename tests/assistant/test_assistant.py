@@ -281,7 +281,8 @@ def test_a_fix_dropped_eagerly_is_tried_again_once_compiled(monkeypatch):
     [
         (1.0, 0.5, True),  # as fast, half the memory: kept for the memory
         (1.0, 0.95, False),  # as fast, 5% leaner: within what LEANER calls noise
-        (1.03, 0.5, False),  # leaner but slower: a fix that slows the model is never kept
+        (1.01, 0.5, True),  # 1% slower is within the timing noise (2%): a tie, kept for the memory
+        (1.03, 0.5, False),  # leaner but slower than the noise: a fix that slows the model is never kept
     ],
 )
 def test_a_fix_as_fast_but_leaner_is_kept(monkeypatch, mlp_ms, mlp_peak, kept):

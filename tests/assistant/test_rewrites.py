@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from kernel_lib import ops
 from kernel_lib.assistant import detect, rewrites, source
 from kernel_lib.assistant import trace as tracing
 from kernel_lib.models import GPT, GPTConfig
@@ -53,6 +54,32 @@ def test_module_rewrite_validates_and_keeps_names(model, kind, new_type):
     assert [n for n, _ in new.named_parameters()] == [n for n, _ in model.named_parameters()]
     report = ComponentValidator().validate_model(new, model, args)
     assert report.passed, str(report)
+
+
+def _saved_elements(model, x) -> int:
+    """Elements of the distinct storages the backward keeps for one forward of model(x), parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(seen.values())
+
+
+@pytest.mark.skipif(not ops._utils.is_interpreting(), reason="the kernels run on the CPU only under the interpreter")
+def test_fused_silu_mlp_keeps_gate_and_up_not_the_product():
+    # the memory half of the rewrite: swiglu_linear recomputes act(gate) * up in the backward
+    model, (x,) = Wrap(GatedMLP(32, 64)), x3()
+    new = rewritten(model, (x,), "unfused_activation")
+    tokens = x.numel() // 32
+    assert _saved_elements(new, x) == tokens * (32 + 2 * 64)  # x, and gate_up (gate and up are its views)
+    assert _saved_elements(model, x) > tokens * (32 + 3 * 64)  # the original keeps the product too
 
 
 def test_attention_rewrite_of_the_naive_gpt_with_rope():
