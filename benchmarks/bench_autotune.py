@@ -27,7 +27,7 @@ from kernel_lib.ops import attention_kernels as ak
 from kernel_lib.ops import grouped_mm as gmm_module
 from kernel_lib.ops._utils import meta, pick_config
 
-# Shapes the heuristics were not fitted on (the fit of 2026-11-24: 35 attention and 8 grouped shapes, NOTES.md):
+# Shapes the heuristics were not fitted on (the fits of 2026-11-24: 35 attention and 25 grouped shapes, NOTES.md):
 # other lengths, windows and expert counts, some on either side of a heuristic's threshold.
 ATTENTION_SHAPES = [  # (N, D, causal, window); 16k tokens per batch, 2048 / D heads
     (1280, 128, True, None), (1280, 64, True, None), (2560, 128, True, None), (2560, 64, False, None),
@@ -35,8 +35,9 @@ ATTENTION_SHAPES = [  # (N, D, causal, window); 16k tokens per batch, 2048 / D h
     (10240, 64, True, 768), (10240, 128, True, 3072), (12288, 64, True, 3072), (8192, 64, True, 2048),
 ]  # fmt: skip
 GROUPED_SHAPES = [  # (name, T tokens x top_k, d, d_ff, E)
-    ("olmoe-like", 4096 * 8, 2048, 1024, 64), ("wide-16", 16384 * 2, 1024, 4096, 16),
-    ("small-e", 3072 * 2, 1536, 4096, 8), ("tiny", 512 * 2, 1024, 2816, 8), ("mixtral-4k", 4096 * 2, 4096, 14336, 8),
+    ("deepseek-lite-like", 4096 * 6, 2048, 1408, 64), ("t384", 384 * 2, 2048, 5632, 8),
+    ("t3k-e32", 3072 * 4, 1024, 1024, 32), ("t24k", 24576 * 2, 2048, 4096, 8), ("t2k-e128", 2048 * 8, 1024, 512, 128),
+    ("t12k-d3072", 12288 * 2, 3072, 8192, 8),
 ]  # fmt: skip
 
 
@@ -60,7 +61,7 @@ def _row(kernel, shape, timings, pick) -> dict:
     return dict(kernel=kernel, shape=shape, best_ms=best, heuristic_ms=chosen, heuristic_over_best=chosen / best)
 
 
-def heuristic_rows() -> list[dict]:
+def heuristic_rows(kernels=("attention", "grouped")) -> list[dict]:
     os.environ["KERNEL_LIB_AUTOTUNE"] = "1"
     tuners = [
         ak._attn_fwd_tuned,
@@ -68,7 +69,7 @@ def heuristic_rows() -> list[dict]:
         ak._attn_bwd_dq_tuned,
     ]
     rows = []
-    for N, D, causal, window in ATTENTION_SHAPES:
+    for N, D, causal, window in ATTENTION_SHAPES if "attention" in kernels else []:
         B, H = max(1, 16384 // N), 2048 // D
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         _fresh(tuners)
@@ -88,7 +89,7 @@ def heuristic_rows() -> list[dict]:
             rows.append(_row(name, shape, timings, pick))
         del q, k, v, out
     grouped = [gmm_module._grouped_mm_tuned, gmm_module._grouped_dw_tuned]
-    for name, T, d, d_ff, E in GROUPED_SHAPES:
+    for name, T, d, d_ff, E in GROUPED_SHAPES if "grouped" in kernels else []:
         counts = torch.bincount(torch.randint(0, E, (T,)), minlength=E)
         offs = counts.cumsum(0).to(torch.int32).cuda()
         x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -185,6 +186,7 @@ def main() -> None:
     parser.add_argument("--out", default="results", help="folder for the CSV files")
     parser.add_argument("--skip-heuristics", action="store_true", help="only the first-call measurements")
     parser.add_argument("--skip-first-calls", action="store_true", help="only the heuristics against autotune")
+    parser.add_argument("--kernels", default="attention,grouped", help="heuristics of: attention, grouped, or both")
     args = parser.parse_args()
     bench.require_gpu("bench_autotune.py")
     if not args.skip_first_calls:
@@ -192,7 +194,7 @@ def main() -> None:
         print(bench.to_frame(first).round(2).to_string(index=False))
         bench.write_csv(first, os.path.join(args.out, "first_calls.csv"))
     if not args.skip_heuristics:
-        rows = heuristic_rows()
+        rows = heuristic_rows(args.kernels.split(","))
         frame = bench.to_frame(rows)
         print(frame.round(3).to_string(index=False))
         ratio = frame.heuristic_over_best

@@ -65,17 +65,22 @@ def _smem_bytes(config, args) -> int:
 
 
 def fwd_preferred(T: int, N: int, E: int, device: torch.device, transposed: bool = False) -> list:
-    """Configs of the forward kernel (and of dx, the same kernel on w transposed), best first: 128 x 256 tiles when
-    there are enough of them to fill the GPU twice over, else 128 x 128 so that more programs run. Reading w
-    transposed (dx), the wide tiles' strided loads pay off only with twice as many tiles again."""
-    big, mid, small = _CONFIGS[3], _CONFIGS[1], _CONFIGS[0]
+    """Configs of the forward kernel (and of dx, the same kernel on w transposed), best first. Groups of a tile's
+    rows or fewer (T / E <= 64; reading w transposed, <= 128) take 64-row tiles, which pad less. Otherwise
+    128 x 256 tiles when there are enough of them to fill the GPU twice over, else 128 x 128 so that more programs
+    run; reading w transposed, the wide tiles' strided loads pay off only with four times as many tiles and
+    N >= 2048. Fitted on 25 shapes (``benchmarks/NOTES.md``)."""
+    big, mid, small, narrow = _CONFIGS[3], _CONFIGS[1], _CONFIGS[0], _CONFIGS[4]
+    if T <= (128 if transposed else 64) * E:
+        return [narrow, mid, small]
     tiles = (triton.cdiv(T, 128) + E) * triton.cdiv(N, 256)
     sms = (
         sm_count(device.index if device.index is not None else torch.cuda.current_device())
         if device.type == "cuda"
         else 1
     )
-    return [big, mid, small] if tiles >= (8 if transposed else 2) * sms else [mid, small]
+    wide = tiles >= 8 * sms and N >= 2048 if transposed else tiles >= 2 * sms
+    return [big, mid, small] if wide else [mid, small]
 
 
 def dw_preferred() -> list:
