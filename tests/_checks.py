@@ -193,3 +193,20 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def saved_storages(fn: Callable, exclude: Sequence[torch.Tensor] = ()) -> tuple[dict[int, int], object]:
+    """What autograd keeps for the backward while ``fn()`` runs, as {storage pointer: elements}, each storage once
+    (views of one tensor count once), the storages of ``exclude`` (weights, parameters) left out; and fn's result."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return seen, out

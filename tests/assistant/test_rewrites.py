@@ -11,6 +11,7 @@ from kernel_lib.assistant import detect, rewrites, source
 from kernel_lib.assistant import trace as tracing
 from kernel_lib.models import GPT, GPTConfig
 from kernel_lib.validation import ComponentValidator
+from tests._checks import saved_storages
 from tests.assistant.models import (
     GatedMLP,
     LMHeadLoss,
@@ -58,18 +59,7 @@ def test_module_rewrite_validates_and_keeps_names(model, kind, new_type):
 
 def _saved_elements(model, x) -> int:
     """Elements of the distinct storages the backward keeps for one forward of model(x), parameters left out."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes() // t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return sum(seen.values())
+    return sum(saved_storages(lambda: model(x), exclude=list(model.parameters()))[0].values())
 
 
 @pytest.mark.skipif(not ops._utils.is_interpreting(), reason="the kernels run on the CPU only under the interpreter")
