@@ -71,8 +71,8 @@ from kernel_lib.ops.norms import rms_norm_ref
 from kernel_lib.ops.softmax import softmax_ref
 
 VARIANTS = {  # the ladder's steps measured for each op ("best": the library's choice by width)
-    "rms_norm": ("naive", "block_shared", "warp_shuffle", "vectorized", "registers", "best"),
-    "softmax": ("naive", "block_shared", "warp_shuffle", "vectorized", "registers", "online", "best"),
+    "rms_norm": ("naive", "block_shared", "warp_shuffle", "vectorized", "registers", "tma", "best"),
+    "softmax": ("naive", "block_shared", "warp_shuffle", "vectorized", "registers", "online", "tma", "best"),
 }
 PEERS = ("triton", "torch.compile", "eager")
 PASSES = (("rms_norm", "forward"), ("rms_norm", "forward+backward"), ("softmax", "forward"))

@@ -1,7 +1,10 @@
 """Shared fixtures. Without a GPU, Triton kernels run under the interpreter, which must be switched on
 before triton is first imported: that is why this happens here, at the top of the test session."""
 
+import fcntl
+import gc
 import os
+import tempfile
 import zlib
 
 import pytest
@@ -28,6 +31,35 @@ def device() -> str:
 def _seed_per_test(request):
     """Each test draws from its own fixed seed: a failure reproduces alone, whatever ran before it."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _share_the_gpu(request):
+    """`make test-gpu` runs several pytest workers on one GPU. A test marked ``gpu_memory`` (tens of GB at its
+    peak) holds a lock file while it runs, so two of them never overlap; after every test the memory it left in
+    PyTorch's cache goes back to the driver, where another worker can have it (a run of six workers ran out of
+    memory with two workers' caches holding 30 and 39 GiB)."""
+    if not HAS_CUDA:
+        yield
+        return
+    lock = None
+    if request.node.get_closest_marker("gpu_memory"):
+        lock = open(os.path.join(tempfile.gettempdir(), "kernel_lib_gpu_memory.lock"), "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield
+    finally:
+        log = os.environ.get("KERNEL_LIB_TEST_MEMORY_LOG")  # one line per test above 4 GiB: which tests to mark
+        peak = torch.cuda.max_memory_reserved()
+        if log and peak > 4 * 2**30:
+            with open(log, "a") as f:
+                f.write(f"{peak / 2**30:.1f} GiB {request.node.nodeid}\n")
+        if torch.cuda.memory_reserved() > 2**30:
+            gc.collect()  # tensors in reference cycles, freed only by the collector
+        torch.cuda.empty_cache()
+        if lock is not None:
+            lock.close()  # releases the lock
 
 
 def pytest_collection_modifyitems(config, items):

@@ -116,6 +116,7 @@ def test_bad_input_is_named(h, weight, target, kwargs, error, words):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory  # float64 copies of a 128,256 x 4,096 weight and its gradient
 def test_llama_head_on_gpu():
     h, weight, target = _inputs(1024, 4096, 128256, torch.bfloat16, "cuda", ignored=100)
     check_forward_backward(linear_cross_entropy, linear_cross_entropy_ref, [h, weight, target], atol=1e-2, grads=[0, 1])

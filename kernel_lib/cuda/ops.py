@@ -17,7 +17,7 @@ import torch
 from . import _build
 
 VARIANTS = {"naive": 0, "block_shared": 1, "warp_shuffle": 2, "vectorized": 3, "registers": 4, "online": 5,
-            "best": -1}  # fmt: skip
+            "tma": 6, "best": -1}  # fmt: skip
 _READY = False
 
 

@@ -133,26 +133,51 @@ def test_cuda_kernels_are_built_on_a_gpu(built):
     assert torch.ops.kernel_lib_cuda.has_cuda_kernels()
 
 
+WIDE = [
+    pytest.param(128, torch.bfloat16, id="D128-bf16"),  # the tma step on a narrow row: a cluster of one block
+    pytest.param(4096, torch.bfloat16, id="D4096-bf16"),
+    pytest.param(65536, torch.bfloat16, id="D65536-bf16"),  # past one block's registers: clusters
+    pytest.param(100008, torch.bfloat16, id="D100008-bf16"),  # a multiple of the vector, not of a slice: shorter last
+    pytest.param(262144, torch.bfloat16, id="D262144-bf16"),  # 8 and 16 blocks a cluster (16: non-portable size)
+    pytest.param(262144, torch.float32, id="D262144-fp32"),  # 1 MiB rows: 16 slices larger than the preferred size
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [128, 4096, 65536, 262144])  # up to rows too wide for registers
-def test_cuda_variants_at_wide_rows(D):
-    x = torch.randn(8, D, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5
+@pytest.mark.parametrize("D, dtype", WIDE)
+def test_cuda_variants_at_wide_rows(D, dtype):
+    x = torch.randn(8, D, device="cuda", dtype=dtype)
+    w = torch.rand(D, device="cuda", dtype=dtype) + 0.5
+    atol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     for variant in cuda.VARIANTS:
         if variant != "online":
             check_forward_backward(lambda x, w, v=variant: cuda.rms_norm(x, w, 1e-6, v), rms_norm_ref, [x, w],
-                                   atol=1e-2, name=f"rms_norm {variant} D={D}")  # fmt: skip
+                                   atol=atol, name=f"rms_norm {variant} D={D}")  # fmt: skip
         check_forward_backward(lambda x, v=variant: cuda.softmax(x, v), softmax_ref, [x], atol=1e-6,
                                baseline=lambda x: torch.softmax(x, -1), name=f"softmax {variant} D={D}")  # fmt: skip
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture():
-    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
-    want = cuda.rms_norm(x, w)
+@pytest.mark.parametrize("variant", ["registers", "online", "tma", "best"])
+def test_softmax_rows_with_negative_infinity(variant):
+    # 65,536 columns: the cluster steps split a row over 2-4 blocks, so whole slices can be -inf
+    x = torch.randn(4, 65536, device="cuda", dtype=torch.bfloat16)
+    x[0, :32768] = -torch.inf  # the first slices hold nothing but -inf
+    x[1, ::2] = -torch.inf  # every other element
+    x[2] = -torch.inf  # the whole row: NaN, as in PyTorch
+    got, want = cuda.softmax(x, variant).float(), torch.softmax(x.float(), -1)
+    assert torch.equal(got.isnan(), want.isnan()), variant
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), atol=1e-6, rtol=2.0**-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [4096, 65536])  # one block a row; a cluster (the launch queries attributes first)
+def test_cuda_graph_capture(D):
+    x = torch.randn(64, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(D, device="cuda", dtype=torch.bfloat16)
+    want = cuda.rms_norm(x, w), cuda.softmax(x)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = cuda.rms_norm(x, w)
+        out = cuda.rms_norm(x, w), cuda.softmax(x)
     g.replay()
     torch.testing.assert_close(out, want, atol=0, rtol=0)

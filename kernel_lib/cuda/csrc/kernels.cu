@@ -30,18 +30,27 @@
 //                  max grows, combines them over the block, then one pass writes y: two reads of x at any width
 //                  (the second from L2 when the rows in flight fit in it). RMSNorm's kOnline is step 3, already
 //                  one statistics pass and one output pass.
+//  6 tma           Hopper (sm_90+): a row held in shared memory instead of registers, split over a cluster of 1-16
+//                  blocks; each block's slice (up to 64 KiB, so 3 or more blocks fit an SM) arrives by one bulk copy
+//                  of the Tensor Memory Accelerator (cp.async.bulk, completion counted by an mbarrier): one
+//                  instruction instead of a load per 16 bytes, and no registers held while it is in flight. The
+//                  statistics and the output then read shared memory; partials cross the cluster through DSMEM as
+//                  in step 4. x is read once at any width up to 16 slices. Needs 16-byte aligned rows whose byte
+//                  width is a multiple of 16 (the bulk copy's rule); otherwise, or without sm_90, step 4 runs.
 //
 // kBest, by width (in elements, the same for every dtype):
 //   D <= 32,768                          registers, one block per row (1-4 rows per block below 128 threads a row).
-//   32,768 < D <= 262,144 on Hopper      registers of a cluster: the smallest cluster (2, 4, 8) whose slice is at most
-//                                        16,384 elements, else 32,768; used when the device has cluster launch and the
+//   D > 32,768 on Hopper, aligned rows   tma: shared memory of a cluster (step 6).
+//   32,768 < D <= 262,144 on Hopper,     registers of a cluster: the smallest cluster (2, 4, 8) whose slice is at most
+//   rows tma cannot take                 16,384 elements, else 32,768; used when the device has cluster launch and the
 //                                        kernel was built for sm_90+ (queried at run time). Softmax up to 131,072.
 //   wider, or no clusters                softmax: online; RMSNorm: vectorized two-pass (2nd read partly from L2).
 // Why: holding the row is the only way to read x once. Up to 32,768 elements one block does it; past that no block
 // can (1024 threads x 64 registers) and a cluster is the only one-read option. Without clusters a second read (from L2
 // at best) is unavoidable. Measured on an H100 (benchmarks/NOTES.md, 2026-11-24): at 32,768 one 1024-thread block
 // beat a cluster of two 16,384-element blocks (RMSNorm 96.7% of the copy against 84.0%); at 262,144 the softmax
-// cluster (8 blocks of 32,768) fell below the online kernel (58.8% against 62.6%). The thresholds count elements, not
+// cluster (8 blocks of 32,768) fell below the online kernel (58.8% against 62.6%); the registers clusters read 68-80%
+// from 65,536 to 262,144, where the tma step read 90-94% (RMSNorm) and 81-87% (softmax). The thresholds count elements, not
 // bytes, for every dtype: float32 has 4 elements a vector instead of 8, so VPT doubles and the budget of 32 floats a
 // thread is the same.
 //
@@ -102,6 +111,11 @@ constexpr int kOneBlockMaxD = 32768;      // widest row one block holds in regis
 constexpr int kClusterSlice = 16384;      // a cluster block's preferred slice (<= 512 threads: 2 blocks per SM)
 constexpr int kBestSoftmaxClusterMaxD = 131072;  // kBest softmax: wider rows take the online kernel (measured)
 constexpr int kClusterMax = 8;            // portable cluster size: clusters reach 8 x 32,768 = 262,144 elements
+constexpr int kTmaNormSliceBytes = 65536;    // step 6's slice a block, RMSNorm: 3 blocks of 512 threads an SM (measured)
+constexpr int kTmaSoftmaxSliceBytes = 32768;  // softmax: 7 blocks of 256 threads an SM; more work between the copies
+constexpr int kTmaMaxSliceBytes = 225 * 1024;  // a block's dynamic shared memory on Hopper (227 KiB, less the static)
+constexpr int kTmaMaxCluster = 16;         // the non-portable cluster size Hopper allows (8 is portable)
+constexpr int kTmaVectorsPerThread = 8;    // 128-bit vectors of the slice a thread handles (measured: 4-16)
 constexpr int kBwdRegMaxD = 16384;        // backward registers paths: RMSNorm 1024 x 16 floats, softmax 512 x 32
 constexpr int kNormBwdMaxValues = 16;     // RMSNorm backward: dy and x held, 16 floats each per thread
 constexpr int64_t kMaxD = int64_t(1) << 30;  // column indices are int: col + a stride step stays below 2^31
@@ -484,6 +498,53 @@ __device__ __forceinline__ ClusterSlice load_cluster_slice(const cg::cluster_gro
   load_slice(x.row(s.row), s.begin, s.end, fill, v);
   return s;
 }
+
+// Step 6's plumbing (sm_90+). An mbarrier counts the bytes the Tensor Memory Accelerator delivers; one thread arms it
+// with the byte count and issues the bulk copy, every thread waits on phase 0. Inline PTX: CUDA's C++ wrappers for
+// these (cuda::device::memcpy_async_tx) appeared in CUDA 12.4 and change between versions.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// One thread: initialize the barrier (one arrival expected) and make it visible to the async proxy.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// One thread: expect `bytes` on the barrier (its one arrival), then copy them from global src to shared dst. src and
+// dst 16-byte aligned, bytes a multiple of 16 (the bulk copy's rules; the host checks them).
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+// Every thread: wait until the barrier's phase `parity` has completed (all expected bytes arrived).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(smem_addr(bar)), "r"(parity)
+                 : "memory");
+}
+
+// A step-6 block's slice of its row, copied into shared memory `buf`: columns [begin, end) of row blockIdx.x / C.
+template <typename T>
+__device__ __forceinline__ ClusterSlice tma_load_slice(const cg::cluster_group& cluster, const Rows<T>& x, int D,
+                                                       int slice, T* buf, uint64_t* bar) {
+  const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  const int begin = rank * slice;
+  const ClusterSlice s{C, rank, blockIdx.x / C, begin, min(D, begin + slice)};
+  if (threadIdx.x == 0) {
+    mbarrier_init(bar);
+    bulk_copy_to_shared(buf, x.row(s.row) + begin, uint32_t(s.end - begin) * sizeof(T), bar);
+  }
+  __syncthreads();  // the barrier is initialized before anyone waits on it
+  mbarrier_wait(bar, 0);
+  return s;
+}
 #endif
 
 // =====================================================================================================================
@@ -584,6 +645,54 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_cluster_kernel(const NormFw
 #endif
 }
 
+// Step 6 (sm_90+). A cluster of C blocks per row (grid: rows * C), block `rank` holding columns [rank * slice, ...) in
+// dynamic shared memory, brought by one bulk copy; thread t reads the 128-bit vectors t, t + blockDim.x, ... of it
+// (a warp reads 512 contiguous bytes: no bank conflicts). Sum of squares, then the partials across the cluster as in
+// the registers cluster kernel, then y from shared memory.
+template <typename T>
+__global__ void __launch_bounds__(1024) rms_norm_fwd_tma_kernel(const NormFwd<T> p, int slice) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int N = kVec<T>;
+  extern __shared__ __align__(128) unsigned char tma_smem[];
+  T* buf = reinterpret_cast<T*>(tma_smem);
+  __shared__ uint64_t bar;
+  __shared__ float red[32];
+  __shared__ float part;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const ClusterSlice s = tma_load_slice(cluster, p.x, p.D, slice, buf, &bar);
+  const int n = s.end - s.begin;  // a multiple of N (the host's rule)
+  float ss = 0.f;
+  for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
+    const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
+#pragma unroll
+    for (int j = 0; j < N; ++j) ss += static_cast<float>(v.v[j]) * static_cast<float>(v.v[j]);
+  }
+  ss = block_reduce_warp(ss, Sum{}, red);
+  if (threadIdx.x == 0) part = ss;
+  cluster.sync();
+  float total = 0.f;
+  for (int q = 0; q < s.C; ++q) total += *cluster.map_shared_rank(&part, q);
+  cluster.barrier_arrive();
+  const float r = 1.f / sqrtf(total * p.inv_D + p.eps);
+  if (s.rank == 0 && threadIdx.x == 0) p.rstd[s.row] = r;
+  T* yr = p.y + s.row * p.D + s.begin;
+  const T* wr = p.w + s.begin;
+  for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
+    const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
+    const float4 wraw = __ldg(reinterpret_cast<const float4*>(wr + c));
+    const Pack<T, N> wp = *reinterpret_cast<const Pack<T, N>*>(&wraw);
+    Pack<T, N> out;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      out.v[j] = static_cast<T>(static_cast<float>(v.v[j]) * r * static_cast<float>(wp.v[j]));
+    *reinterpret_cast<Pack<T, N>*>(yr + c) = out;
+  }
+  cluster.barrier_wait();
+#else
+  __trap();
+#endif
+}
+
 // =====================================================================================================================
 // Softmax forward
 // =====================================================================================================================
@@ -675,6 +784,60 @@ __global__ void __launch_bounds__(1024) softmax_fwd_cluster_kernel(const Softmax
   }
   cluster.barrier_arrive();
   store_slice(p.y + slc.row * p.D, slc.begin, slc.end, (m == -INFINITY ? 0.f : expf(m - M)) / S, v);
+  cluster.barrier_wait();
+#else
+  __trap();
+#endif
+}
+
+// Step 6 (sm_90+; layout as rms_norm_fwd_tma_kernel). Each thread takes the max of its vectors, then the sum of
+// exp(x - its max): no block barrier between the two passes. The block combines the (max, sum) pairs, the cluster
+// combines the blocks' pairs (as the registers cluster kernel), and y = exp(x - M) / S is written from shared
+// memory. A row of only -inf gives M = -inf and NaN, as in PyTorch.
+template <typename T>
+__global__ void __launch_bounds__(1024) softmax_fwd_tma_kernel(const SoftmaxFwd<T> p, int slice) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int N = kVec<T>;
+  extern __shared__ __align__(128) unsigned char tma_smem[];
+  T* buf = reinterpret_cast<T*>(tma_smem);
+  __shared__ uint64_t bar;
+  __shared__ float2 red[32];
+  __shared__ float2 part;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const ClusterSlice s = tma_load_slice(cluster, p.x, p.D, slice, buf, &bar);
+  const int n = s.end - s.begin;
+  float m = -INFINITY;
+  for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
+    const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
+#pragma unroll
+    for (int j = 0; j < N; ++j) m = fmaxf(m, static_cast<float>(v.v[j]));
+  }
+  float sum = 0.f;
+  if (m != -INFINITY) {  // only -inf: nothing to add (exp(-inf - -inf) would be NaN)
+    for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
+      const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
+#pragma unroll
+      for (int j = 0; j < N; ++j) sum += exp_for<T>(static_cast<float>(v.v[j]) - m);
+    }
+  }
+  const MaxSum ms = block_reduce(MaxSum{m, sum}, red);
+  if (threadIdx.x == 0) part = make_float2(ms.m, ms.s);
+  cluster.sync();
+  MaxSum total{-INFINITY, 0.f};
+  for (int q = 0; q < s.C; ++q) {
+    const float2 other = *cluster.map_shared_rank(&part, q);
+    total = combine(total, MaxSum{other.x, other.y});
+  }
+  cluster.barrier_arrive();
+  const float inv = 1.f / total.s;
+  T* yr = p.y + s.row * p.D + s.begin;
+  for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
+    const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
+    Pack<T, N> out;
+#pragma unroll
+    for (int j = 0; j < N; ++j) out.v[j] = static_cast<T>(exp_for<T>(static_cast<float>(v.v[j]) - total.m) * inv);
+    *reinterpret_cast<Pack<T, N>*>(yr + c) = out;
+  }
   cluster.barrier_wait();
 #else
   __trap();
@@ -993,11 +1156,11 @@ ClusterConfig cluster_config(int D, int N) {
 }
 
 cudaLaunchConfig_t cluster_launch_config(int64_t blocks, int threads, int cluster, cudaStream_t stream,
-                                         cudaLaunchAttribute* attr) {
+                                         cudaLaunchAttribute* attr, int smem = 0) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(blocks));
   cfg.blockDim = dim3(unsigned(threads));
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = size_t(smem);
   cfg.stream = stream;
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = unsigned(cluster);
@@ -1008,18 +1171,24 @@ cudaLaunchConfig_t cluster_launch_config(int64_t blocks, int threads, int cluste
   return cfg;
 }
 
-// Whether `kernel` can run as clusters of `cluster` blocks of `threads` here: the device supports cluster launch,
-// the kernel's binary is for sm_90+ (not a PTX/SASS fallback whose body is __trap()), and at least one such cluster
-// fits on the GPU. Host-side queries only: nothing is enqueued, so this is fine during graph capture.
+// Whether `kernel` can run as clusters of `cluster` blocks of `threads` with `smem` bytes of dynamic shared memory
+// here: the device supports cluster launch, the kernel's binary is for sm_90+ (not a PTX/SASS fallback whose body is
+// __trap()), and at least one such cluster fits on the GPU. It first allows the kernel that much shared memory and,
+// past 8 blocks, a non-portable cluster size (function attributes: host calls of a few microseconds). Nothing
+// is enqueued, so this is fine during graph capture.
 template <typename Kernel>
-bool can_launch_cluster(Kernel kernel, int cluster, int threads) {
+bool can_launch_cluster(Kernel kernel, int cluster, int threads, int smem = 0) {
   int dev = 0, has = 0, active = 0;
   cudaFuncAttributes attr{};
   cudaLaunchAttribute launch_attr[1];
-  const cudaLaunchConfig_t cfg = cluster_launch_config(cluster, threads, cluster, nullptr, launch_attr);
+  const cudaLaunchConfig_t cfg = cluster_launch_config(cluster, threads, cluster, nullptr, launch_attr, smem);
   const bool ok = cudaGetDevice(&dev) == cudaSuccess &&
                   cudaDeviceGetAttribute(&has, cudaDevAttrClusterLaunch, dev) == cudaSuccess && has &&
                   cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
+                  (smem <= 48 * 1024 ||
+                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) &&
+                  (cluster <= kClusterMax ||
+                   cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) &&
                   cudaOccupancyMaxActiveClusters(&active, kernel, &cfg) == cudaSuccess && active > 0;
   if (!ok) (void)cudaGetLastError();  // a failed query is an answer (no), not an error for the next launch to report
   return ok;
@@ -1064,6 +1233,42 @@ bool launch_cluster(const P& p, KernelFor kernel_for, const char* name, cudaStre
     }
   });
   return launched;
+}
+
+// Step 6's split of a row of D elements of `elem` bytes: C blocks of `slice` elements, a multiple of the 128-bit
+// vector, about `slice_bytes` each; rows wider than kTmaMaxCluster such slices take larger slices (cluster 0 when a
+// slice would pass kTmaMaxSliceBytes). kTmaVectorsPerThread vectors a thread.
+struct TmaConfig {
+  int cluster = 0, slice = 0, threads = 0;
+};
+TmaConfig tma_config(int64_t D, int elem, int slice_bytes) {
+  const int N = 16 / elem;
+  int64_t C = std::min<int64_t>(ceil_div(D * elem, slice_bytes), kTmaMaxCluster);
+  const int64_t slice = round_up(ceil_div(D, C), N);  // balanced: the last block is not left with a sliver
+  if (slice * elem > kTmaMaxSliceBytes) return {};
+  C = ceil_div(D, slice);
+  const int64_t threads = round_up(ceil_div(slice / N, kTmaVectorsPerThread), 32);
+  return {int(C), int(slice), int(std::min<int64_t>(threads, 1024))};
+}
+
+// Step 6: a row in the shared memory of a cluster (see the top of the file). False where it cannot run: rows or
+// weight not 16-byte aligned, a row's bytes not a multiple of 16, too wide, no sm_90+ binary or cluster launch.
+template <typename T, typename P, typename Kernel>
+bool launch_tma(const P& p, const T* weight, Kernel kernel, int slice_bytes, const char* name, cudaStream_t stream) {
+  const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  if (!aligned(p.x.data) || (p.x.stride * int64_t(sizeof(T))) % 16 != 0 || (int64_t(p.D) * sizeof(T)) % 16 != 0 ||
+      (weight != nullptr && !aligned(weight)))
+    return false;
+  const TmaConfig tc = tma_config(p.D, int(sizeof(T)), slice_bytes);
+  if (tc.cluster == 0 || p.rows * tc.cluster > std::numeric_limits<int>::max()) return false;
+  const int smem = tc.slice * int(sizeof(T));
+  if (!can_launch_cluster(kernel, tc.cluster, tc.threads, smem)) return false;
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg =
+      cluster_launch_config(p.rows * tc.cluster, tc.threads, tc.cluster, stream, attr, smem);
+  KL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tc.slice), name);
+  KL_LAUNCH_CHECK(name);
+  return true;
 }
 
 // The registers step of both forward ops (kRegisters and kBest; see the top of the file): one block up to
@@ -1114,7 +1319,10 @@ void rms_norm_fwd_typed(const NormFwd<T>& p, int64_t variant, cudaStream_t strea
   switch (variant) {
     case kVectorized:
     case kOnline: return launch_rows(vectorized, p, N, "rms_norm_fwd_vectorized", stream);
-    default:  // kRegisters, kBest
+    default:  // kRegisters, kBest, kTma
+      if ((variant == kTma || (variant == kBest && p.D > kOneBlockMaxD)) &&
+          launch_tma<T>(p, p.w, rms_norm_fwd_tma_kernel<T>, kTmaNormSliceBytes, "rms_norm_fwd_tma", stream))
+        return;
       const auto reg_for = [](auto vpt) { return rms_norm_fwd_registers_kernel<T, decltype(vpt)::value>; };
       const auto cluster_for = [](auto vpt) { return rms_norm_fwd_cluster_kernel<T, decltype(vpt)::value>; };
       if (launch_one_pass<T>(p, reg_for, cluster_for, "rms_norm_fwd_registers", "rms_norm_fwd_cluster", stream))
@@ -1142,7 +1350,11 @@ void softmax_fwd_typed(const SoftmaxFwd<T>& p, int64_t variant, cudaStream_t str
     case kVectorized:
       return launch_rows(softmax_fwd_rows_kernel<T, Reduce::kWarp, N>, p, N, "softmax_fwd_vectorized", stream);
     case kOnline: return launch_softmax_fwd_online(p, stream);
-    default:  // kRegisters, kBest
+    default:  // kRegisters, kBest, kTma
+      if ((variant == kTma || (variant == kBest && p.D > kOneBlockMaxD)) &&
+          launch_tma<T>(p, static_cast<const T*>(nullptr), softmax_fwd_tma_kernel<T>, kTmaSoftmaxSliceBytes,
+                        "softmax_fwd_tma", stream))
+        return;
       const auto reg_for = [](auto vpt) { return softmax_fwd_registers_kernel<T, decltype(vpt)::value>; };
       const auto cluster_for = [](auto vpt) { return softmax_fwd_cluster_kernel<T, decltype(vpt)::value>; };
       if (variant == kBest && p.D > kBestSoftmaxClusterMaxD) return launch_softmax_fwd_online(p, stream);
@@ -1215,8 +1427,8 @@ void softmax_bwd_typed(const SoftmaxBwd<T>& p, cudaStream_t stream) {
 // Host: argument checks (each names the function, the argument and the rule)
 // =====================================================================================================================
 void check_variant(const char* fn, int64_t variant) {
-  TORCH_CHECK(variant >= kBest && variant <= kOnline, fn, ": variant must be -1 (best) or 0-5 (naive, block_shared, ",
-              "warp_shuffle, vectorized, registers, online), got ", variant);
+  TORCH_CHECK(variant >= kBest && variant <= kTma, fn, ": variant must be -1 (best) or 0-6 (naive, block_shared, ",
+              "warp_shuffle, vectorized, registers, online, tma), got ", variant);
 }
 
 void check_rows(const char* fn, const char* name, const at::Tensor& t) {
@@ -1279,6 +1491,7 @@ const char* variant_name(int64_t variant) {
     case kVectorized: return "vectorized";
     case kRegisters: return "registers";
     case kOnline: return "online";
+    case kTma: return "tma";
     case kBest: return "best";
     default: return "unknown";
   }

@@ -5,7 +5,9 @@
 namespace kernel_lib_cuda {
 
 // Ladder steps, in order; each is a complete kernel. kBest picks the best step for the width (documented rule).
-enum Variant : int64_t { kNaive = 0, kBlockShared = 1, kWarpShuffle = 2, kVectorized = 3, kRegisters = 4, kOnline = 5, kBest = -1 };
+enum Variant : int64_t {
+  kNaive = 0, kBlockShared = 1, kWarpShuffle = 2, kVectorized = 3, kRegisters = 4, kOnline = 5, kTma = 6, kBest = -1
+};
 
 // x, y: (rows, D) with unit stride along D, row stride x.stride(0) / y.stride(0) (y is contiguous, allocated by the caller);
 // weight (D,) contiguous, same dtype as x; rstd (rows,) float32 contiguous, written (1/sqrt(mean(x^2)+eps)).
