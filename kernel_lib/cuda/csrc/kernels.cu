@@ -203,6 +203,31 @@ __device__ __forceinline__ void load_vectors2(const T* row_a, bool a_ok, const T
     }
 }
 
+// Packs to floats.
+template <int VPT, int N, typename T>
+__device__ __forceinline__ void unpack(const Pack<T, N> (&raw)[VPT], float (&v)[VPT][N]) {
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[i][j] = static_cast<float>(raw[i].v[j]);
+}
+
+// A thread's VPT vectors of two rows (the registers layout: columns (threadIdx.x + i * blockDim.x) * N), kept packed:
+// 2 * VPT loads in one branch when both rows allow 128-bit loads (load_vectors2 without the conversion).
+template <int VPT, int N, typename T>
+__device__ __forceinline__ void load_packs2(const T* row_a, const T* row_b, int end, Pack<T, N> (&a)[VPT],
+                                            Pack<T, N> (&b)[VPT]) {
+  const bool a_ok = aligned16(row_a), b_ok = aligned16(row_b);
+  const int first = threadIdx.x * N, step = blockDim.x * N;
+  if (a_ok && b_ok) {
+    load_packs<VPT, N>(row_a, first, step, end, true, 0.f, a);
+    load_packs<VPT, N>(row_b, first, step, end, true, 0.f, b);
+  } else {
+    load_packs<VPT, N>(row_a, first, step, end, a_ok, 0.f, a);
+    load_packs<VPT, N>(row_b, first, step, end, b_ok, 0.f, b);
+  }
+}
+
 // f rounded to T into elements [col, min(col + N, end)) of a row; the same vector/scalar rule as load_n.
 template <int N, typename T>
 __device__ __forceinline__ void store_n(T* row, int col, int end, bool vec_ok, const float (&f)[N]) {
@@ -790,10 +815,11 @@ __global__ void __launch_bounds__(1024) softmax_fwd_cluster_kernel(const Softmax
 #endif
 }
 
-// Step 6 (sm_90+; layout as rms_norm_fwd_tma_kernel). Each thread takes the max of its vectors, then the sum of
-// exp(x - its max): no block barrier between the two passes. The block combines the (max, sum) pairs, the cluster
-// combines the blocks' pairs (as the registers cluster kernel), and y = exp(x - M) / S is written from shared
-// memory. A row of only -inf gives M = -inf and NaN, as in PyTorch.
+// Step 6 (sm_90+; layout as rms_norm_fwd_tma_kernel). The slice's max m, then s = sum exp(x - m), each a block
+// reduction of plain floats (combining (max, sum) pairs thread by thread instead costs two accurate exp per step of
+// the reduction: 5-10% slower at 65,536-262,144 in two H100 runs); the cluster combines the blocks' (m, s) as the registers
+// cluster kernel does, and y = exp(x - M) / S is written from shared memory. A row of only -inf gives NaN, as in
+// PyTorch.
 template <typename T>
 __global__ void __launch_bounds__(1024) softmax_fwd_tma_kernel(const SoftmaxFwd<T> p, int slice) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -801,7 +827,7 @@ __global__ void __launch_bounds__(1024) softmax_fwd_tma_kernel(const SoftmaxFwd<
   extern __shared__ __align__(128) unsigned char tma_smem[];
   T* buf = reinterpret_cast<T*>(tma_smem);
   __shared__ uint64_t bar;
-  __shared__ float2 red[32];
+  __shared__ float red[32];
   __shared__ float2 part;
   const cg::cluster_group cluster = cg::this_cluster();
   const ClusterSlice s = tma_load_slice(cluster, p.x, p.D, slice, buf, &bar);
@@ -812,30 +838,31 @@ __global__ void __launch_bounds__(1024) softmax_fwd_tma_kernel(const SoftmaxFwd<
 #pragma unroll
     for (int j = 0; j < N; ++j) m = fmaxf(m, static_cast<float>(v.v[j]));
   }
+  m = block_reduce_warp(m, Max{}, red);
+  const float shift = m == -INFINITY ? 0.f : m;  // a slice of only -inf: exp(-inf - 0) = 0, not NaN
   float sum = 0.f;
-  if (m != -INFINITY) {  // only -inf: nothing to add (exp(-inf - -inf) would be NaN)
-    for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
-      const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
+  for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
+    const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
 #pragma unroll
-      for (int j = 0; j < N; ++j) sum += exp_for<T>(static_cast<float>(v.v[j]) - m);
-    }
+    for (int j = 0; j < N; ++j) sum += exp_for<T>(static_cast<float>(v.v[j]) - shift);
   }
-  const MaxSum ms = block_reduce(MaxSum{m, sum}, red);
-  if (threadIdx.x == 0) part = make_float2(ms.m, ms.s);
+  sum = block_reduce_warp(sum, Sum{}, red);
+  if (threadIdx.x == 0) part = make_float2(m, sum);
   cluster.sync();
-  MaxSum total{-INFINITY, 0.f};
+  float M = -INFINITY, S = 0.f;
+  for (int q = 0; q < s.C; ++q) M = fmaxf(M, cluster.map_shared_rank(&part, q)->x);
   for (int q = 0; q < s.C; ++q) {
     const float2 other = *cluster.map_shared_rank(&part, q);
-    total = combine(total, MaxSum{other.x, other.y});
+    S += other.y * expf(other.x - M);
   }
   cluster.barrier_arrive();
-  const float inv = 1.f / total.s;
+  const float inv = 1.f / S;
   T* yr = p.y + s.row * p.D + s.begin;
   for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
     const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
     Pack<T, N> out;
 #pragma unroll
-    for (int j = 0; j < N; ++j) out.v[j] = static_cast<T>(exp_for<T>(static_cast<float>(v.v[j]) - total.m) * inv);
+    for (int j = 0; j < N; ++j) out.v[j] = static_cast<T>(exp_for<T>(static_cast<float>(v.v[j]) - M) * inv);
     *reinterpret_cast<Pack<T, N>*>(yr + c) = out;
   }
   cluster.barrier_wait();
@@ -887,9 +914,13 @@ __global__ void __launch_bounds__(1024) softmax_fwd_online_kernel(const SoftmaxF
 // shared memory, not registers (a third row-sized array would spill): each thread owns kAcc = VPT * N + 4 floats at
 // acc + threadIdx.x * kAcc, read and written 128 bits at a time (the 4 floats of padding put the 8 threads of a
 // 128-bit access on distinct banks), touched by no other thread. At the end block b writes them to partial row b.
+// PREFETCH (kBest's, for blocks of at most 512 threads, so 128 registers a thread are allowed; kRegisters runs without,
+// so one run measures both): the next row's dy and x are loaded,
+// still packed in T, as soon as this row's are converted, so they are in flight during this row's reduction and
+// stores instead of after them (the software pipelining kernel_lib's Triton backward does).
 // Dynamic shared memory: kAcc * blockDim.x floats.
-template <typename T, int VPT>
-__global__ void __launch_bounds__(1024) rms_norm_bwd_registers_kernel(const NormBwd<T> p) {
+template <typename T, int VPT, bool PREFETCH>
+__global__ void __launch_bounds__(PREFETCH ? 512 : 1024) rms_norm_bwd_registers_kernel(const NormBwd<T> p) {
   constexpr int N = kVec<T>, kAcc = VPT * N + 4;
   __shared__ float red[32];
   extern __shared__ float4 acc_smem[];
@@ -899,13 +930,21 @@ __global__ void __launch_bounds__(1024) rms_norm_bwd_registers_kernel(const Norm
   const bool wv = aligned16(p.w);
   const int64_t first = int64_t(blockIdx.x) * p.rows_per_block;
   const int64_t last = min(p.rows, first + p.rows_per_block);
+  Pack<T, N> next_dy[VPT], next_x[VPT];  // PREFETCH: the next row, as loaded
+  if constexpr (PREFETCH)
+    if (first < last) load_packs2<VPT, N>(p.dy.row(first), p.x.row(first), p.D, next_dy, next_x);
   for (int64_t row = first; row < last; ++row) {
-    const T* dyr = p.dy.row(row);
-    const T* xr = p.x.row(row);
-    const bool dyv = aligned16(dyr), xv = aligned16(xr);
     const float r = p.rstd[row];
     float g[VPT][N], xs[VPT][N];
-    load_vectors2<VPT, N>(dyr, dyv, xr, xv, threadIdx.x * N, blockDim.x * N, p.D, g, xs);
+    if constexpr (PREFETCH) {
+      unpack<VPT, N>(next_dy, g);
+      unpack<VPT, N>(next_x, xs);
+      if (row + 1 < last) load_packs2<VPT, N>(p.dy.row(row + 1), p.x.row(row + 1), p.D, next_dy, next_x);
+    } else {
+      const T* dyr = p.dy.row(row);
+      const T* xr = p.x.row(row);
+      load_vectors2<VPT, N>(dyr, aligned16(dyr), xr, aligned16(xr), threadIdx.x * N, blockDim.x * N, p.D, g, xs);
+    }
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
@@ -1376,7 +1415,8 @@ void rms_norm_bwd_typed(NormBwd<T> p, float* dweight, const at::TensorOptions& f
     with_vpt(cfg.vpt, [&](auto vpt) {
       constexpr int VPT = decltype(vpt)::value;
       if constexpr (VPT * kVec<T> <= kNormBwdMaxValues) {
-        auto kernel = rms_norm_bwd_registers_kernel<T, VPT>;
+        auto kernel = variant == kBest && cfg.threads <= 512 ? rms_norm_bwd_registers_kernel<T, VPT, true>
+                                                             : rms_norm_bwd_registers_kernel<T, VPT, false>;
         const int smem = int(sizeof(float)) * (VPT * N + 4) * cfg.threads;  // the dweight partials, <= 80 KiB
         if (smem > 48 * 1024)
           KL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
