@@ -149,11 +149,15 @@ def test_cuda_variants_at_wide_rows(D, dtype):
     x = torch.randn(8, D, device="cuda", dtype=dtype)
     w = torch.rand(D, device="cuda", dtype=dtype) + 0.5
     atol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    # bf16 softmax: one ulp of the largest value, as in test_softmax_forward_backward. Over 30 draws at D = 4,096 the
+    # backward (one kernel for every step) reached 2.94x PyTorch's dx error at worst, the same after every forward
+    # step, whose outputs agreed bit for bit in most draws: a rounding landing the other way, not a step's error.
+    rtol = 2.0**-7 if dtype == torch.bfloat16 else 0.0
     for variant in cuda.VARIANTS:
         if variant != "online":
             check_forward_backward(lambda x, w, v=variant: cuda.rms_norm(x, w, 1e-6, v), rms_norm_ref, [x, w],
                                    atol=atol, name=f"rms_norm {variant} D={D}")  # fmt: skip
-        check_forward_backward(lambda x, v=variant: cuda.softmax(x, v), softmax_ref, [x], atol=1e-6,
+        check_forward_backward(lambda x, v=variant: cuda.softmax(x, v), softmax_ref, [x], atol=1e-6, rtol=rtol,
                                baseline=lambda x: torch.softmax(x, -1), name=f"softmax {variant} D={D}")  # fmt: skip
 
 
