@@ -1,9 +1,11 @@
 """Shared fixtures. Without a GPU, Triton kernels run under the interpreter, which must be switched on
 before triton is first imported: that is why this happens here, at the top of the test session."""
 
+import contextlib
 import fcntl
 import gc
 import os
+import sys
 import tempfile
 import zlib
 
@@ -42,24 +44,28 @@ def _share_the_gpu(request):
     if not HAS_CUDA:
         yield
         return
-    lock = None
-    if request.node.get_closest_marker("gpu_memory"):
-        lock = open(os.path.join(tempfile.gettempdir(), "kernel_lib_gpu_memory.lock"), "w")
-        fcntl.flock(lock, fcntl.LOCK_EX)
-    torch.cuda.reset_peak_memory_stats()
-    try:
+    with contextlib.ExitStack() as stack:
+        if request.node.get_closest_marker("gpu_memory"):
+            path = os.path.join(tempfile.gettempdir(), f"kernel_lib_gpu_memory_{os.getuid()}.lock")
+            lock = stack.enter_context(open(path, "w"))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if torch.cuda.is_initialized():  # a CPU test creates no CUDA context here
+            torch.cuda.reset_peak_memory_stats()
         yield
-    finally:
+        if not torch.cuda.is_initialized():
+            return
         log = os.environ.get("KERNEL_LIB_TEST_MEMORY_LOG")  # one line per test above 4 GiB: which tests to mark
         peak = torch.cuda.max_memory_reserved()
         if log and peak > 4 * 2**30:
             with open(log, "a") as f:
                 f.write(f"{peak / 2**30:.1f} GiB {request.node.nodeid}\n")
+        # a failed test's traceback (kept for post-mortem debugging) would keep its tensors alive
+        for name in ("last_exc", "last_value", "last_traceback"):
+            if hasattr(sys, name):
+                setattr(sys, name, None)
         if torch.cuda.memory_reserved() > 2**30:
             gc.collect()  # tensors in reference cycles, freed only by the collector
         torch.cuda.empty_cache()
-        if lock is not None:
-            lock.close()  # releases the lock
 
 
 def pytest_collection_modifyitems(config, items):

@@ -139,7 +139,8 @@ WIDE = [
     pytest.param(65536, torch.bfloat16, id="D65536-bf16"),  # past one block's registers: clusters
     pytest.param(100008, torch.bfloat16, id="D100008-bf16"),  # a multiple of the vector, not of a slice: shorter last
     pytest.param(262144, torch.bfloat16, id="D262144-bf16"),  # 8 and 16 blocks a cluster (16: non-portable size)
-    pytest.param(262144, torch.float32, id="D262144-fp32"),  # 1 MiB rows: 16 slices larger than the preferred size
+    pytest.param(262144, torch.float32, id="D262144-fp32"),  # 1 MiB rows: softmax's 16 slices twice its preferred size
+    pytest.param(1048576, torch.bfloat16, id="D1048576-bf16"),  # 2 MiB rows: 16 slices of 128 KiB (RMSNorm's 2x)
 ]
 
 
@@ -161,10 +162,54 @@ def test_cuda_variants_at_wide_rows(D, dtype):
                                baseline=lambda x: torch.softmax(x, -1), name=f"softmax {variant} D={D}")  # fmt: skip
 
 
+def _strided_rows(layout, D):
+    """Rows of D bf16 elements viewed inside a wider tensor: a stride of D + 8 keeps every row 16-byte aligned, D + 3
+    and a view starting one element in do not."""
+    if layout == "stride 8":
+        return torch.randn(8, D + 8, device="cuda", dtype=torch.bfloat16)[:, :D]
+    if layout == "stride 3":
+        return torch.randn(8, D + 3, device="cuda", dtype=torch.bfloat16)[:, :D]
+    return torch.randn(8, D + 8, device="cuda", dtype=torch.bfloat16)[:, 1 : D + 1]  # offset: starts 2 bytes in
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["stride 8", "stride 3", "offset"])  # tma runs; the next two fall back to step 4
+def test_tma_step_on_strided_rows(layout):
+    x = _strided_rows(layout, 65536)
+    w = torch.rand(65536, device="cuda", dtype=torch.bfloat16) + 0.5
+    for variant in ("tma", "best"):
+        check_forward_backward(lambda x, w, v=variant: cuda.rms_norm(x, w, 1e-6, v), rms_norm_ref, [x, w],
+                               atol=1e-2, name=f"rms_norm {variant} {layout}")  # fmt: skip
+        check_forward_backward(lambda x, v=variant: cuda.softmax(x, v), softmax_ref, [x], atol=1e-6, rtol=2.0**-7,
+                               baseline=lambda x: torch.softmax(x, -1), name=f"softmax {variant} {layout}")  # fmt: skip
+
+
+def _kernel_names(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9, reason="the TMA needs sm_90+")
+@pytest.mark.parametrize("layout, takes_tma", [("stride 8", True), ("stride 3", False), ("offset", False)])
+def test_tma_step_runs_its_own_kernel_where_it_can(layout, takes_tma):
+    # without this, a launch that quietly fell back to step 4 would pass every check above and time step 4 as "tma"
+    x = _strided_rows(layout, 65536)
+    w = torch.rand(65536, device="cuda", dtype=torch.bfloat16) + 0.5
+    for op, call in [
+        ("rms_norm", lambda: cuda.rms_norm(x, w, 1e-6, "tma")),
+        ("softmax", lambda: cuda.softmax(x, "tma")),
+    ]:
+        names = _kernel_names(call)
+        assert any(f"{op}_fwd_tma_kernel" in n for n in names) == takes_tma, (op, names)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["registers", "online", "tma", "best"])
 def test_softmax_rows_with_negative_infinity(variant):
-    # 65,536 columns: the cluster steps split a row over 2-4 blocks, so whole slices can be -inf
+    # 65,536 columns: the cluster steps split a row over 4 blocks, so whole slices can be -inf
     x = torch.randn(4, 65536, device="cuda", dtype=torch.bfloat16)
     x[0, :32768] = -torch.inf  # the first slices hold nothing but -inf
     x[1, ::2] = -torch.inf  # every other element
@@ -175,7 +220,7 @@ def test_softmax_rows_with_negative_infinity(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [4096, 65536])  # one block a row; a cluster (the launch queries attributes first)
+@pytest.mark.parametrize("D", [4096, 65536, 262144])  # one block a row; clusters of 2-4 and of 16 (non-portable)
 def test_cuda_graph_capture(D):
     x = torch.randn(64, D, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(D, device="cuda", dtype=torch.bfloat16)

@@ -31,12 +31,14 @@
 //                  (the second from L2 when the rows in flight fit in it). RMSNorm's kOnline is step 3, already
 //                  one statistics pass and one output pass.
 //  6 tma           Hopper (sm_90+): a row held in shared memory instead of registers, split over a cluster of 1-16
-//                  blocks; each block's slice (up to 64 KiB, so 3 or more blocks fit an SM) arrives by one bulk copy
-//                  of the Tensor Memory Accelerator (cp.async.bulk, completion counted by an mbarrier): one
-//                  instruction instead of a load per 16 bytes, and no registers held while it is in flight. The
-//                  statistics and the output then read shared memory; partials cross the cluster through DSMEM as
-//                  in step 4. x is read once at any width up to 16 slices. Needs 16-byte aligned rows whose byte
-//                  width is a multiple of 16 (the bulk copy's rule); otherwise, or without sm_90, step 4 runs.
+//                  blocks; each block's slice (64 KiB for RMSNorm, 32 KiB for softmax, so 3 or 6 blocks fit an SM)
+//                  arrives by one bulk copy of the Tensor Memory Accelerator (cp.async.bulk, completion counted by
+//                  an mbarrier): one instruction instead of a load per 16 bytes, and no registers held while it is in
+//                  flight. The statistics and the output then read shared memory; partials cross the cluster through
+//                  DSMEM as in step 4. x is read once. Rows wider than 16 such slices take larger ones, up to 225 KiB
+//                  (one block an SM; not measured: the sweeps stop at 262,144 elements). Needs 16-byte aligned rows
+//                  (start and row stride) whose byte width is a multiple of 16 (the bulk copy's rules); otherwise,
+//                  or without sm_90, kTma runs step 4's path.
 //
 // kBest, by width (in elements, the same for every dtype):
 //   D <= 32,768                          registers, one block per row (1-4 rows per block below 128 threads a row).
@@ -112,7 +114,7 @@ constexpr int kClusterSlice = 16384;      // a cluster block's preferred slice (
 constexpr int kBestSoftmaxClusterMaxD = 131072;  // kBest softmax: wider rows take the online kernel (measured)
 constexpr int kClusterMax = 8;            // portable cluster size: clusters reach 8 x 32,768 = 262,144 elements
 constexpr int kTmaNormSliceBytes = 65536;    // step 6's slice a block, RMSNorm: 3 blocks of 512 threads an SM (measured)
-constexpr int kTmaSoftmaxSliceBytes = 32768;  // softmax: 7 blocks of 256 threads an SM; more work between the copies
+constexpr int kTmaSoftmaxSliceBytes = 32768;  // softmax: 6 blocks of 256 threads an SM; more work between the copies
 constexpr int kTmaMaxSliceBytes = 225 * 1024;  // a block's dynamic shared memory on Hopper (227 KiB, less the static)
 constexpr int kTmaMaxCluster = 16;         // the non-portable cluster size Hopper allows (8 is portable)
 constexpr int kTmaVectorsPerThread = 8;    // 128-bit vectors of the slice a thread handles (measured: 4-16)
@@ -201,31 +203,6 @@ __device__ __forceinline__ void load_vectors2(const T* row_a, bool a_ok, const T
       a[i][j] = static_cast<float>(ra[i].v[j]);
       b[i][j] = static_cast<float>(rb[i].v[j]);
     }
-}
-
-// Packs to floats.
-template <int VPT, int N, typename T>
-__device__ __forceinline__ void unpack(const Pack<T, N> (&raw)[VPT], float (&v)[VPT][N]) {
-#pragma unroll
-  for (int i = 0; i < VPT; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) v[i][j] = static_cast<float>(raw[i].v[j]);
-}
-
-// A thread's VPT vectors of two rows (the registers layout: columns (threadIdx.x + i * blockDim.x) * N), kept packed:
-// 2 * VPT loads in one branch when both rows allow 128-bit loads (load_vectors2 without the conversion).
-template <int VPT, int N, typename T>
-__device__ __forceinline__ void load_packs2(const T* row_a, const T* row_b, int end, Pack<T, N> (&a)[VPT],
-                                            Pack<T, N> (&b)[VPT]) {
-  const bool a_ok = aligned16(row_a), b_ok = aligned16(row_b);
-  const int first = threadIdx.x * N, step = blockDim.x * N;
-  if (a_ok && b_ok) {
-    load_packs<VPT, N>(row_a, first, step, end, true, 0.f, a);
-    load_packs<VPT, N>(row_b, first, step, end, true, 0.f, b);
-  } else {
-    load_packs<VPT, N>(row_a, first, step, end, a_ok, 0.f, a);
-    load_packs<VPT, N>(row_b, first, step, end, b_ok, 0.f, b);
-  }
 }
 
 // f rounded to T into elements [col, min(col + N, end)) of a row; the same vector/scalar rule as load_n.
@@ -914,13 +891,9 @@ __global__ void __launch_bounds__(1024) softmax_fwd_online_kernel(const SoftmaxF
 // shared memory, not registers (a third row-sized array would spill): each thread owns kAcc = VPT * N + 4 floats at
 // acc + threadIdx.x * kAcc, read and written 128 bits at a time (the 4 floats of padding put the 8 threads of a
 // 128-bit access on distinct banks), touched by no other thread. At the end block b writes them to partial row b.
-// PREFETCH (kBest's, for blocks of at most 512 threads, so 128 registers a thread are allowed; kRegisters runs without,
-// so one run measures both): the next row's dy and x are loaded,
-// still packed in T, as soon as this row's are converted, so they are in flight during this row's reduction and
-// stores instead of after them (the software pipelining kernel_lib's Triton backward does).
 // Dynamic shared memory: kAcc * blockDim.x floats.
-template <typename T, int VPT, bool PREFETCH>
-__global__ void __launch_bounds__(PREFETCH ? 512 : 1024) rms_norm_bwd_registers_kernel(const NormBwd<T> p) {
+template <typename T, int VPT>
+__global__ void __launch_bounds__(1024) rms_norm_bwd_registers_kernel(const NormBwd<T> p) {
   constexpr int N = kVec<T>, kAcc = VPT * N + 4;
   __shared__ float red[32];
   extern __shared__ float4 acc_smem[];
@@ -930,21 +903,13 @@ __global__ void __launch_bounds__(PREFETCH ? 512 : 1024) rms_norm_bwd_registers_
   const bool wv = aligned16(p.w);
   const int64_t first = int64_t(blockIdx.x) * p.rows_per_block;
   const int64_t last = min(p.rows, first + p.rows_per_block);
-  Pack<T, N> next_dy[VPT], next_x[VPT];  // PREFETCH: the next row, as loaded
-  if constexpr (PREFETCH)
-    if (first < last) load_packs2<VPT, N>(p.dy.row(first), p.x.row(first), p.D, next_dy, next_x);
   for (int64_t row = first; row < last; ++row) {
+    const T* dyr = p.dy.row(row);
+    const T* xr = p.x.row(row);
+    const bool dyv = aligned16(dyr), xv = aligned16(xr);
     const float r = p.rstd[row];
     float g[VPT][N], xs[VPT][N];
-    if constexpr (PREFETCH) {
-      unpack<VPT, N>(next_dy, g);
-      unpack<VPT, N>(next_x, xs);
-      if (row + 1 < last) load_packs2<VPT, N>(p.dy.row(row + 1), p.x.row(row + 1), p.D, next_dy, next_x);
-    } else {
-      const T* dyr = p.dy.row(row);
-      const T* xr = p.x.row(row);
-      load_vectors2<VPT, N>(dyr, aligned16(dyr), xr, aligned16(xr), threadIdx.x * N, blockDim.x * N, p.D, g, xs);
-    }
+    load_vectors2<VPT, N>(dyr, dyv, xr, xv, threadIdx.x * N, blockDim.x * N, p.D, g, xs);
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
@@ -1212,9 +1177,10 @@ cudaLaunchConfig_t cluster_launch_config(int64_t blocks, int threads, int cluste
 
 // Whether `kernel` can run as clusters of `cluster` blocks of `threads` with `smem` bytes of dynamic shared memory
 // here: the device supports cluster launch, the kernel's binary is for sm_90+ (not a PTX/SASS fallback whose body is
-// __trap()), and at least one such cluster fits on the GPU. It first allows the kernel that much shared memory and,
-// past 8 blocks, a non-portable cluster size (function attributes: host calls of a few microseconds). Nothing
-// is enqueued, so this is fine during graph capture.
+// __trap()), and at least one such cluster fits on the GPU. Past 48 KiB it first allows the kernel kTmaMaxSliceBytes
+// of shared memory (a ceiling, always the same value: two threads launching different widths cannot undo each
+// other's setting) and, past 8 blocks, a non-portable cluster size. Nothing is enqueued, so this is fine during
+// graph capture.
 template <typename Kernel>
 bool can_launch_cluster(Kernel kernel, int cluster, int threads, int smem = 0) {
   int dev = 0, has = 0, active = 0;
@@ -1224,8 +1190,9 @@ bool can_launch_cluster(Kernel kernel, int cluster, int threads, int smem = 0) {
   const bool ok = cudaGetDevice(&dev) == cudaSuccess &&
                   cudaDeviceGetAttribute(&has, cudaDevAttrClusterLaunch, dev) == cudaSuccess && has &&
                   cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
-                  (smem <= 48 * 1024 ||
-                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) &&
+                  (smem <= 48 * 1024 || (smem <= kTmaMaxSliceBytes &&
+                                         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                              kTmaMaxSliceBytes) == cudaSuccess)) &&
                   (cluster <= kClusterMax ||
                    cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) &&
                   cudaOccupancyMaxActiveClusters(&active, kernel, &cfg) == cudaSuccess && active > 0;
@@ -1290,13 +1257,14 @@ TmaConfig tma_config(int64_t D, int elem, int slice_bytes) {
   return {int(C), int(slice), int(std::min<int64_t>(threads, 1024))};
 }
 
-// Step 6: a row in the shared memory of a cluster (see the top of the file). False where it cannot run: rows or
-// weight not 16-byte aligned, a row's bytes not a multiple of 16, too wide, no sm_90+ binary or cluster launch.
+// Step 6: a row in the shared memory of a cluster (see the top of the file). False where it cannot run: x, y or the
+// weight not 16-byte aligned (x's row stride included), a row's bytes not a multiple of 16, too wide, no sm_90+
+// binary or cluster launch.
 template <typename T, typename P, typename Kernel>
 bool launch_tma(const P& p, const T* weight, Kernel kernel, int slice_bytes, const char* name, cudaStream_t stream) {
   const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
-  if (!aligned(p.x.data) || (p.x.stride * int64_t(sizeof(T))) % 16 != 0 || (int64_t(p.D) * sizeof(T)) % 16 != 0 ||
-      (weight != nullptr && !aligned(weight)))
+  if (!aligned(p.x.data) || !aligned(p.y) || (p.x.stride * int64_t(sizeof(T))) % 16 != 0 ||
+      (int64_t(p.D) * sizeof(T)) % 16 != 0 || (weight != nullptr && !aligned(weight)))
     return false;
   const TmaConfig tc = tma_config(p.D, int(sizeof(T)), slice_bytes);
   if (tc.cluster == 0 || p.rows * tc.cluster > std::numeric_limits<int>::max()) return false;
@@ -1415,8 +1383,7 @@ void rms_norm_bwd_typed(NormBwd<T> p, float* dweight, const at::TensorOptions& f
     with_vpt(cfg.vpt, [&](auto vpt) {
       constexpr int VPT = decltype(vpt)::value;
       if constexpr (VPT * kVec<T> <= kNormBwdMaxValues) {
-        auto kernel = variant == kBest && cfg.threads <= 512 ? rms_norm_bwd_registers_kernel<T, VPT, true>
-                                                             : rms_norm_bwd_registers_kernel<T, VPT, false>;
+        auto kernel = rms_norm_bwd_registers_kernel<T, VPT>;
         const int smem = int(sizeof(float)) * (VPT * N + 4) * cfg.threads;  // the dweight partials, <= 80 KiB
         if (smem > 48 * 1024)
           KL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
