@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kernel_lib import cuda
+from kernel_lib import bench, cuda
 from kernel_lib.ops.norms import rms_norm_ref
 from kernel_lib.ops.softmax import softmax_ref
 from tests._checks import check_compiled_matches_eager, check_forward_backward, rows_input
@@ -168,7 +168,7 @@ def _strided_rows(layout, D):
     if layout == "stride 8":
         return torch.randn(8, D + 8, device="cuda", dtype=torch.bfloat16)[:, :D]
     if layout == "stride 3":
-        return torch.randn(8, D + 3, device="cuda", dtype=torch.bfloat16)[:, :D]
+        return rows_input((8, D), torch.bfloat16, "cuda", layout="sliced")
     return torch.randn(8, D + 8, device="cuda", dtype=torch.bfloat16)[:, 1 : D + 1]  # offset: starts 2 bytes in
 
 
@@ -184,13 +184,6 @@ def test_tma_step_on_strided_rows(layout):
                                baseline=lambda x: torch.softmax(x, -1), name=f"softmax {variant} {layout}")  # fmt: skip
 
 
-def _kernel_names(fn) -> list[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9, reason="the TMA needs sm_90+")
 @pytest.mark.parametrize("layout, takes_tma", [("stride 8", True), ("stride 3", False), ("offset", False)])
@@ -202,7 +195,7 @@ def test_tma_step_runs_its_own_kernel_where_it_can(layout, takes_tma):
         ("rms_norm", lambda: cuda.rms_norm(x, w, 1e-6, "tma")),
         ("softmax", lambda: cuda.softmax(x, "tma")),
     ]:
-        names = _kernel_names(call)
+        names = bench.profile_kernels(call, device="cuda", steps=1).by_name
         assert any(f"{op}_fwd_tma_kernel" in n for n in names) == takes_tma, (op, names)
 
 
