@@ -49,12 +49,12 @@
 //   wider, or no clusters                softmax: online; RMSNorm: vectorized two-pass (2nd read partly from L2).
 // Why: holding the row is the only way to read x once. Up to 32,768 elements one block does it; past that no block
 // can (1024 threads x 64 registers) and a cluster is the only one-read option. Without clusters a second read (from L2
-// at best) is unavoidable. Measured on an H100 (benchmarks/NOTES.md, 2026-11-24): at 32,768 one 1024-thread block
-// beat a cluster of two 16,384-element blocks (RMSNorm 96.7% of the copy against 84.0%); at 262,144 the softmax
-// cluster (8 blocks of 32,768) fell below the online kernel (58.8% against 62.6%); the registers clusters read 68-80%
-// from 65,536 to 262,144, where the tma step read 90-94% (RMSNorm) and 81-87% (softmax). The thresholds count elements, not
-// bytes, for every dtype: float32 has 4 elements a vector instead of 8, so VPT doubles and the budget of 32 floats a
-// thread is the same.
+// at best) is unavoidable. Measured on an H100 (benchmarks/NOTES.md): on 2026-11-24, at 32,768 one 1024-thread block
+// beat a cluster of two 16,384-element blocks (RMSNorm 96.7% of the copy against 84.0%), and at 262,144 the softmax
+// registers cluster (8 blocks of 32,768) fell below the online kernel (58.8% against 62.6%); on 2026-11-25, from
+// 65,536 to 262,144, the registers clusters read 68-80% (RMSNorm) and 67-70% (softmax, to 131,072) where the tma step
+// read 91-95% and 81-87%. The thresholds count elements, not bytes, for every dtype: float32 has 4 elements a vector
+// instead of 8, so VPT doubles and the budget of 32 floats a thread is the same.
 //
 // Backward. RMSNorm with kRegisters or kBest, D <= 16,384: persistent blocks hold dy and x of one row in registers
 // (one read of each) and their dweight partials in shared memory, one float32 partial row per block. Other variants,
@@ -501,6 +501,35 @@ __device__ __forceinline__ ClusterSlice load_cluster_slice(const cg::cluster_gro
   return s;
 }
 
+// The row's total of every block's `mine`, added in rank order through DSMEM (the same bits in every block of the
+// cluster). Every thread of every block calls it; `part` is one float of the block's shared memory. It returns after
+// arriving at a cluster barrier: the caller waits on it (cluster.barrier_wait()) before exiting, so no block's `part`
+// goes away while another block may still read it.
+__device__ __forceinline__ float cluster_sum(const cg::cluster_group& cluster, float mine, float* part) {
+  if (threadIdx.x == 0) *part = mine;
+  cluster.sync();  // every block's partial written and visible
+  float total = 0.f;
+  for (int q = 0; q < int(cluster.num_blocks()); ++q) total += *cluster.map_shared_rank(part, q);
+  cluster.barrier_arrive();  // done reading the others' shared memory
+  return total;
+}
+
+// Softmax's cluster_sum: each block's (m, s) = (its max, the sum of exp(x - m) over its slice) combined into the
+// row's (M, S) = (max of the m, sum of s * exp(m - M)), the same bits in every block. Same barrier rule.
+__device__ __forceinline__ float2 cluster_max_sum(const cg::cluster_group& cluster, float m, float s, float2* part) {
+  if (threadIdx.x == 0) *part = make_float2(m, s);
+  cluster.sync();
+  const int C = int(cluster.num_blocks());
+  float M = -INFINITY, S = 0.f;
+  for (int q = 0; q < C; ++q) M = fmaxf(M, cluster.map_shared_rank(part, q)->x);
+  for (int q = 0; q < C; ++q) {
+    const float2 other = *cluster.map_shared_rank(part, q);
+    S += other.y * expf(other.x - M);
+  }
+  cluster.barrier_arrive();
+  return make_float2(M, S);
+}
+
 // Step 6's plumbing (sm_90+). An mbarrier counts the bytes the Tensor Memory Accelerator delivers; one thread arms it
 // with the byte count and issues the bulk copy, every thread waits on phase 0. Inline PTX: CUDA's C++ wrappers for
 // these (cuda::device::memcpy_async_tx) appeared in CUDA 12.4 and change between versions.
@@ -532,19 +561,27 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
                  : "memory");
 }
 
-// A step-6 block's slice of its row, copied into shared memory `buf`: columns [begin, end) of row blockIdx.x / C.
+// A step-6 block's slice buffer: its dynamic shared memory, which the host sizes to the slice.
+template <typename T>
+__device__ __forceinline__ T* tma_slice_buffer() {
+  extern __shared__ __align__(128) unsigned char tma_smem[];
+  return reinterpret_cast<T*>(tma_smem);
+}
+
+// A step-6 block's slice of its row, columns [begin, end) of row blockIdx.x / C, copied into tma_slice_buffer<T>().
 template <typename T>
 __device__ __forceinline__ ClusterSlice tma_load_slice(const cg::cluster_group& cluster, const Rows<T>& x, int D,
-                                                       int slice, T* buf, uint64_t* bar) {
+                                                       int slice) {
+  __shared__ uint64_t bar;  // one per kernel (a __shared__ variable of a device function is static)
   const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
   const int begin = rank * slice;
   const ClusterSlice s{C, rank, blockIdx.x / C, begin, min(D, begin + slice)};
   if (threadIdx.x == 0) {
-    mbarrier_init(bar);
-    bulk_copy_to_shared(buf, x.row(s.row) + begin, uint32_t(s.end - begin) * sizeof(T), bar);
+    mbarrier_init(&bar);
+    bulk_copy_to_shared(tma_slice_buffer<T>(), x.row(s.row) + begin, uint32_t(s.end - begin) * sizeof(T), &bar);
   }
   __syncthreads();  // the barrier is initialized before anyone waits on it
-  mbarrier_wait(bar, 0);
+  mbarrier_wait(&bar, 0);
   return s;
 }
 #endif
@@ -621,8 +658,8 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_registers_kernel(const Norm
 // Step 4 for rows wider than a block (Hopper, sm_90+). A cluster of C blocks per row (grid: rows * C, cluster dims
 // (C, 1, 1)); block `rank` holds columns [rank * slice, (rank + 1) * slice) in registers as in the kernel above. Each
 // block's sum of squares goes to its shared memory; after a cluster barrier every block reads all C partials through
-// DSMEM and adds them in rank order (the same total, bit for bit, in every block); a second barrier (arrive now, wait
-// before exiting) keeps each block's shared memory alive until the others have read it.
+// DSMEM and adds them in rank order (cluster_sum: the same total, bit for bit, in every block); a second barrier
+// (arrive there, wait before exiting) keeps each block's shared memory alive until the others have read it.
 template <typename T, int VPT>
 __global__ void __launch_bounds__(1024) rms_norm_fwd_cluster_kernel(const NormFwd<T> p, int slice) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -632,12 +669,7 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_cluster_kernel(const NormFw
   const cg::cluster_group cluster = cg::this_cluster();
   float v[VPT][N];
   const ClusterSlice s = load_cluster_slice(cluster, p.x, p.D, slice, 0.f, v);
-  const float ss = block_reduce_warp(dot_regs(v, v), Sum{}, red);
-  if (threadIdx.x == 0) part = ss;
-  cluster.sync();  // every block's partial written and visible
-  float total = 0.f;
-  for (int q = 0; q < s.C; ++q) total += *cluster.map_shared_rank(&part, q);
-  cluster.barrier_arrive();  // done reading the others' shared memory
+  const float total = cluster_sum(cluster, block_reduce_warp(dot_regs(v, v), Sum{}, red), &part);
   const float r = 1.f / sqrtf(total * p.inv_D + p.eps);
   if (s.rank == 0 && threadIdx.x == 0) p.rstd[s.row] = r;
   store_scaled<VPT, N>(p.y + s.row * p.D, p.w, s.begin + threadIdx.x * N, blockDim.x * N, s.end, r, v);
@@ -655,13 +687,11 @@ template <typename T>
 __global__ void __launch_bounds__(1024) rms_norm_fwd_tma_kernel(const NormFwd<T> p, int slice) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int N = kVec<T>;
-  extern __shared__ __align__(128) unsigned char tma_smem[];
-  T* buf = reinterpret_cast<T*>(tma_smem);
-  __shared__ uint64_t bar;
   __shared__ float red[32];
   __shared__ float part;
   const cg::cluster_group cluster = cg::this_cluster();
-  const ClusterSlice s = tma_load_slice(cluster, p.x, p.D, slice, buf, &bar);
+  const ClusterSlice s = tma_load_slice(cluster, p.x, p.D, slice);
+  const T* buf = tma_slice_buffer<T>();
   const int n = s.end - s.begin;  // a multiple of N (the host's rule)
   float ss = 0.f;
   for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
@@ -669,12 +699,7 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_tma_kernel(const NormFwd<T>
 #pragma unroll
     for (int j = 0; j < N; ++j) ss += static_cast<float>(v.v[j]) * static_cast<float>(v.v[j]);
   }
-  ss = block_reduce_warp(ss, Sum{}, red);
-  if (threadIdx.x == 0) part = ss;
-  cluster.sync();
-  float total = 0.f;
-  for (int q = 0; q < s.C; ++q) total += *cluster.map_shared_rank(&part, q);
-  cluster.barrier_arrive();
+  const float total = cluster_sum(cluster, block_reduce_warp(ss, Sum{}, red), &part);
   const float r = 1.f / sqrtf(total * p.inv_D + p.eps);
   if (s.rank == 0 && threadIdx.x == 0) p.rstd[s.row] = r;
   T* yr = p.y + s.row * p.D + s.begin;
@@ -776,16 +801,8 @@ __global__ void __launch_bounds__(1024) softmax_fwd_cluster_kernel(const Softmax
   const ClusterSlice slc = load_cluster_slice(cluster, p.x, p.D, slice, -INFINITY, v);
   const float m = block_reduce_warp(max_regs(v), Max{}, red);
   const float s = block_reduce_warp(exp_regs<T>(v, m == -INFINITY ? 0.f : m), Sum{}, red);
-  if (threadIdx.x == 0) part = make_float2(m, s);
-  cluster.sync();
-  float M = -INFINITY, S = 0.f;
-  for (int q = 0; q < slc.C; ++q) M = fmaxf(M, cluster.map_shared_rank(&part, q)->x);
-  for (int q = 0; q < slc.C; ++q) {
-    const float2 other = *cluster.map_shared_rank(&part, q);
-    S += other.y * expf(other.x - M);
-  }
-  cluster.barrier_arrive();
-  store_slice(p.y + slc.row * p.D, slc.begin, slc.end, (m == -INFINITY ? 0.f : expf(m - M)) / S, v);
+  const float2 MS = cluster_max_sum(cluster, m, s, &part);
+  store_slice(p.y + slc.row * p.D, slc.begin, slc.end, (m == -INFINITY ? 0.f : expf(m - MS.x)) / MS.y, v);
   cluster.barrier_wait();
 #else
   __trap();
@@ -801,13 +818,11 @@ template <typename T>
 __global__ void __launch_bounds__(1024) softmax_fwd_tma_kernel(const SoftmaxFwd<T> p, int slice) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int N = kVec<T>;
-  extern __shared__ __align__(128) unsigned char tma_smem[];
-  T* buf = reinterpret_cast<T*>(tma_smem);
-  __shared__ uint64_t bar;
   __shared__ float red[32];
   __shared__ float2 part;
   const cg::cluster_group cluster = cg::this_cluster();
-  const ClusterSlice s = tma_load_slice(cluster, p.x, p.D, slice, buf, &bar);
+  const ClusterSlice s = tma_load_slice(cluster, p.x, p.D, slice);
+  const T* buf = tma_slice_buffer<T>();
   const int n = s.end - s.begin;
   float m = -INFINITY;
   for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
@@ -823,17 +838,8 @@ __global__ void __launch_bounds__(1024) softmax_fwd_tma_kernel(const SoftmaxFwd<
 #pragma unroll
     for (int j = 0; j < N; ++j) sum += exp_for<T>(static_cast<float>(v.v[j]) - shift);
   }
-  sum = block_reduce_warp(sum, Sum{}, red);
-  if (threadIdx.x == 0) part = make_float2(m, sum);
-  cluster.sync();
-  float M = -INFINITY, S = 0.f;
-  for (int q = 0; q < s.C; ++q) M = fmaxf(M, cluster.map_shared_rank(&part, q)->x);
-  for (int q = 0; q < s.C; ++q) {
-    const float2 other = *cluster.map_shared_rank(&part, q);
-    S += other.y * expf(other.x - M);
-  }
-  cluster.barrier_arrive();
-  const float inv = 1.f / S;
+  const float2 MS = cluster_max_sum(cluster, m, block_reduce_warp(sum, Sum{}, red), &part);
+  const float M = MS.x, inv = 1.f / MS.y;
   T* yr = p.y + s.row * p.D + s.begin;
   for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
     const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
