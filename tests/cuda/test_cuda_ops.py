@@ -201,6 +201,42 @@ def test_tma_step_runs_its_own_kernel_where_it_can(layout, takes_tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "D, dtype, layout",
+    [
+        pytest.param(8, torch.bfloat16, "contiguous", id="D8-bf16"),  # one vector a row: a block of one warp
+        pytest.param(1024, torch.bfloat16, "contiguous", id="D1024-bf16"),
+        pytest.param(4096, torch.bfloat16, "stride 8", id="D4096-bf16-stride8"),  # strided, still 16-byte aligned
+        pytest.param(16384, torch.bfloat16, "contiguous", id="D16384-bf16"),  # 2 vectors a thread, 128 KiB of stages
+        pytest.param(4096, torch.float32, "contiguous", id="D4096-fp32"),
+        pytest.param(16384, torch.float32, "contiguous", id="D16384-fp32"),  # stages past 225 KiB: registers path
+    ],
+)
+def test_rms_norm_backward_tma_over_many_rows(D, dtype, layout):
+    # 4,000 rows: every persistent block takes several, so both stages are refilled and their barriers change phase
+    wide = torch.randn(4000, D + (8 if layout == "stride 8" else 0), device="cuda", dtype=dtype)
+    x = wide[:, :D]
+    w = torch.rand(D, device="cuda", dtype=dtype) + 0.5
+    atol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    for variant in ("tma", "best"):
+        check_forward_backward(lambda x, w, v=variant: cuda.rms_norm(x, w, 1e-6, v), rms_norm_ref, [x, w],
+                               atol=atol, name=f"rms_norm {variant} D={D}")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9, reason="the TMA needs sm_90+")
+@pytest.mark.parametrize("layout, takes_tma", [("stride 8", True), ("stride 3", False), ("offset", False)])
+def test_rms_norm_backward_tma_runs_its_own_kernel_where_it_can(layout, takes_tma):
+    x = _strided_rows(layout, 4096)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    ops = torch.ops.kernel_lib_cuda
+    _, rstd = ops.rms_norm_fwd(x, w, 1e-6, -1)
+    dy = torch.randn_like(x)
+    names = bench.profile_kernels(lambda: ops.rms_norm_bwd(dy, x, w, rstd, 6), device="cuda", steps=1).by_name
+    assert any("rms_norm_bwd_tma_kernel" in n for n in names) == takes_tma, names
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["registers", "online", "tma", "best"])
 def test_softmax_rows_with_negative_infinity(variant):
     # 65,536 columns: the cluster steps split a row over 4 blocks, so whole slices can be -inf

@@ -56,11 +56,14 @@
 // read 91-95% and 81-87%. The thresholds count elements, not bytes, for every dtype: float32 has 4 elements a vector
 // instead of 8, so VPT doubles and the budget of 32 floats a thread is the same.
 //
-// Backward. RMSNorm with kRegisters or kBest, D <= 16,384: persistent blocks hold dy and x of one row in registers
-// (one read of each) and their dweight partials in shared memory, one float32 partial row per block. Other variants,
-// and wider rows: two streaming kernels, a per-row coefficient then column tiles computing dx and the dweight
-// partials (dy and x read twice). Either way a last kernel sums the partial rows in a fixed order: deterministic, no
-// atomics. Softmax backward (no variants): registers up to D = 16,384, a vectorized two-pass block per row beyond.
+// Backward. RMSNorm, D <= 16,384: persistent blocks, one float32 dweight partial row each, one read of dy and x. With
+// kTma or kBest on Hopper, for rows the bulk copy can take (as step 6's), each block's rows of dy and x arrive by
+// bulk copies into two shared-memory stages, the next row's in flight while one is reduced and written, w and the
+// partials in registers; with kRegisters, and where the copy cannot run, dy and x of one row sit in registers and the
+// partials in shared memory. Other variants, and wider rows: two streaming kernels, a per-row coefficient then column
+// tiles computing dx and the dweight partials (dy and x read twice). Either way a last kernel sums the partial rows
+// in a fixed order: deterministic, no atomics. Softmax backward (no variants): registers up to D = 16,384, a
+// vectorized two-pass block per row beyond.
 //
 // All launches go to the current stream; temporaries come from PyTorch's caching allocator; nothing synchronizes with
 // the host, so every path can be captured in a CUDA graph. A launch error is reported with the kernel's name.
@@ -120,6 +123,9 @@ constexpr int kTmaMaxCluster = 16;         // the non-portable cluster size Hopp
 constexpr int kTmaVectorsPerThread = 8;    // 128-bit vectors of the slice a thread handles (measured: 4-16)
 constexpr int kBwdRegMaxD = 16384;        // backward registers paths: RMSNorm 1024 x 16 floats, softmax 512 x 32
 constexpr int kNormBwdMaxValues = 16;     // RMSNorm backward: dy and x held, 16 floats each per thread
+constexpr int kBwdTmaStages = 2;          // RMSNorm TMA backward: rows of dy and x per block (3: no faster)
+constexpr int kBwdTmaThreads = 1024;      // its threads a block, at most: one vector a thread where it can (measured)
+constexpr int kBwdTmaBlocksPerSm = 4;     // its blocks an SM, at most: each adds a dweight partial row (measured)
 constexpr int64_t kMaxD = int64_t(1) << 30;  // column indices are int: col + a stride step stays below 2^31
 
 // =====================================================================================================================
@@ -541,15 +547,23 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-// One thread: expect `bytes` on the barrier (its one arrival), then copy them from global src to shared dst. src and
-// dst 16-byte aligned, bytes a multiple of 16 (the bulk copy's rules; the host checks them).
-__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+// One thread: the barrier's one arrival of this phase, which will complete once `bytes` have arrived.
+__device__ __forceinline__ void mbarrier_arrive_expect(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+// One thread: copy `bytes` from global src to shared dst, counted on the barrier. src and dst 16-byte aligned, bytes a
+// multiple of 16 (the bulk copy's rules; the host checks them).
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                    smem_addr(dst)),
                "l"(src), "r"(bytes), "r"(smem_addr(bar))
                : "memory");
 }
+
+// One thread, before a bulk copy overwrites shared memory that threads read with ordinary loads (after a barrier
+// that ends those reads): orders those reads before the copy's writes, which go through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Every thread: wait until the barrier's phase `parity` has completed (all expected bytes arrived).
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
@@ -577,8 +591,10 @@ __device__ __forceinline__ ClusterSlice tma_load_slice(const cg::cluster_group& 
   const int begin = rank * slice;
   const ClusterSlice s{C, rank, blockIdx.x / C, begin, min(D, begin + slice)};
   if (threadIdx.x == 0) {
+    const uint32_t bytes = uint32_t(s.end - begin) * sizeof(T);
     mbarrier_init(&bar);
-    bulk_copy_to_shared(tma_slice_buffer<T>(), x.row(s.row) + begin, uint32_t(s.end - begin) * sizeof(T), &bar);
+    mbarrier_arrive_expect(&bar, bytes);
+    bulk_copy_to_shared(tma_slice_buffer<T>(), x.row(s.row) + begin, bytes, &bar);
   }
   __syncthreads();  // the barrier is initialized before anyone waits on it
   mbarrier_wait(&bar, 0);
@@ -958,6 +974,98 @@ __global__ void __launch_bounds__(1024) rms_norm_bwd_registers_kernel(const Norm
     for (int j = 0; j < N; ++j)
       if (col + j < p.D) pr[col + j] = own[i * N + j];
   }
+}
+
+// TMA path (kTma and kBest, sm_90+, D <= 16,384, rows of whole aligned 16-byte vectors). Persistent blocks as above,
+// but a row's dy and x arrive by two bulk copies (step 6's) into one of two shared-memory stages, and the copies of
+// row k + S are issued as soon as row k is done with its stage (S = kBwdTmaStages): the next rows' loads fly while
+// this one is reduced and written, holding no registers. (Loading the next row into registers instead took
+// registers, hence blocks, and was slower: benchmarks/NOTES.md, 2026-11-25.) Thread t owns the columns
+// (t + i * blockDim.x) * N, i < VPT; its w and its float32 dweight partials stay in registers throughout. Dynamic
+// shared memory: S stages x (dy, x) x D.
+template <typename T, int VPT>
+__global__ void __launch_bounds__(1024) rms_norm_bwd_tma_kernel(const NormBwd<T> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int N = kVec<T>;
+  __shared__ float red[32];
+  constexpr int S = kBwdTmaStages;
+  __shared__ uint64_t bar[S];
+  T* const stage = tma_slice_buffer<T>();  // stage s: dy at stage + 2 s D, x right after it
+  const int64_t first = int64_t(blockIdx.x) * p.rows_per_block;
+  const int64_t last = min(p.rows, first + p.rows_per_block);
+  const uint32_t row_bytes = uint32_t(p.D) * sizeof(T);
+  const auto fetch = [&](int64_t row, int s) {  // one thread: the row's dy and x into stage s, counted by bar[s]
+    T* dst = stage + 2 * s * p.D;
+    mbarrier_arrive_expect(&bar[s], 2 * row_bytes);
+    bulk_copy_to_shared(dst, p.dy.row(row), row_bytes, &bar[s]);
+    bulk_copy_to_shared(dst + p.D, p.x.row(row), row_bytes, &bar[s]);
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) mbarrier_init(&bar[s]);
+    for (int s = 0; s < S && first + s < last; ++s) fetch(first + s, s);
+  }
+  float wf[VPT][N], acc[VPT][N];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    load_n<N>(p.w, (threadIdx.x + i * blockDim.x) * N, p.D, true, 0.f, wf[i]);  // the host checked w's alignment
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[i][j] = 0.f;
+  }
+  __syncthreads();  // the barriers are initialized before anyone waits on them
+  float r_next = first < last ? p.rstd[first] : 0.f;
+  for (int64_t row = first; row < last; ++row) {
+    const int k = int(row - first), s = k % S;
+    const float r = r_next;
+    if (row + 1 < last) r_next = p.rstd[row + 1];  // its latency hides behind this row
+    mbarrier_wait(&bar[s], (k / S) & 1);           // the stage's (k / S)-th fill has landed
+    const T* dys = stage + 2 * s * p.D;
+    const T* xs = dys + p.D;
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int col = (threadIdx.x + i * blockDim.x) * N;
+      if (col >= p.D) continue;
+      const Pack<T, N> g = *reinterpret_cast<const Pack<T, N>*>(dys + col);
+      const Pack<T, N> xv = *reinterpret_cast<const Pack<T, N>*>(xs + col);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const float gx = static_cast<float>(g.v[j]) * static_cast<float>(xv.v[j]);
+        acc[i][j] += gx * r;
+        dot += gx * wf[i][j];
+      }
+    }
+    dot = block_reduce_warp(dot, Sum{}, red);
+    const float kc = r * r * r * dot * p.inv_D;
+    T* dxr = p.dx + row * p.D;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int col = (threadIdx.x + i * blockDim.x) * N;
+      if (col >= p.D) continue;
+      const Pack<T, N> g = *reinterpret_cast<const Pack<T, N>*>(dys + col);
+      const Pack<T, N> xv = *reinterpret_cast<const Pack<T, N>*>(xs + col);
+      Pack<T, N> out;
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+        out.v[j] = static_cast<T>(r * (wf[i][j] * static_cast<float>(g.v[j])) - kc * static_cast<float>(xv.v[j]));
+      *reinterpret_cast<Pack<T, N>*>(dxr + col) = out;
+    }
+    __syncthreads();  // every thread is done reading stage s
+    if (threadIdx.x == 0 && row + S < last) {
+      fence_proxy_async();
+      fetch(row + S, s);
+    }
+  }
+  float* pr = p.partial + int64_t(blockIdx.x) * p.D;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int col = (threadIdx.x + i * blockDim.x) * N;
+    if (col >= p.D) continue;
+#pragma unroll
+    for (int j = 0; j < N; ++j) pr[col + j] = acc[i][j];
+  }
+#else
+  __trap();  // the host launches this only for a binary built for sm_90+
+#endif
 }
 
 // Streaming path, kernel 1 of 2. One block per row (grid: rows): coef[row] = r^3 * mean(w * dy * x).
@@ -1377,6 +1485,55 @@ void softmax_fwd_typed(const SoftmaxFwd<T>& p, int64_t variant, cudaStream_t str
   }
 }
 
+// The TMA backward (rms_norm_bwd_tma_kernel) where it can run: D <= kBwdRegMaxD, rows of whole 16-byte vectors
+// (dy's and x's starts and strides, w and dx aligned), its stages within kTmaMaxSliceBytes, a binary for sm_90+.
+// Persistent: as many blocks as fit at once, at most kBwdTmaBlocksPerSm. False otherwise, launching nothing.
+template <typename T>
+bool launch_rms_norm_bwd_tma(NormBwd<T>& p, at::Tensor& partial, int64_t& n_partial, const at::TensorOptions& f32,
+                             cudaStream_t stream) {
+  constexpr int N = kVec<T>;
+  const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  const int64_t row_bytes = int64_t(p.D) * sizeof(T);
+  const int64_t smem = 2 * kBwdTmaStages * row_bytes;
+  if (p.D > kBwdRegMaxD || row_bytes % 16 != 0 || smem > kTmaMaxSliceBytes || !aligned(p.dy.data) ||
+      !aligned(p.x.data) || (p.dy.stride * int64_t(sizeof(T))) % 16 != 0 ||
+      (p.x.stride * int64_t(sizeof(T))) % 16 != 0 || !aligned(p.w) || !aligned(p.dx))
+    return false;
+  const int64_t nvec = p.D / N;
+  int vpt = 1;
+  while (vpt * N < kNormBwdMaxValues && ceil_div(nvec, vpt) > kBwdTmaThreads) vpt *= 2;
+  const int threads = int(round_up(ceil_div(nvec, vpt), 32));
+  if (threads > 1024) return false;
+  bool launched = false;
+  with_vpt(vpt, [&](auto v) {
+    constexpr int VPT = decltype(v)::value;
+    if constexpr (VPT * N <= kNormBwdMaxValues) {
+      const auto kernel = rms_norm_bwd_tma_kernel<T, VPT>;
+      cudaFuncAttributes attr{};
+      int per_sm = 0;
+      const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
+                      (smem <= 48 * 1024 || cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                                 kTmaMaxSliceBytes) == cudaSuccess) &&
+                      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, int(smem)) ==
+                          cudaSuccess &&
+                      per_sm > 0;
+      if (!ok) {
+        (void)cudaGetLastError();  // a failed query means "cannot", not an error for the next launch to report
+        return;
+      }
+      const int64_t blocks = std::min<int64_t>(p.rows, int64_t(sm_count()) * std::min(per_sm, kBwdTmaBlocksPerSm));
+      p.rows_per_block = ceil_div(p.rows, blocks);
+      n_partial = ceil_div(p.rows, p.rows_per_block);
+      partial = at::empty({n_partial, p.D}, f32);
+      p.partial = partial.data_ptr<float>();
+      kernel<<<unsigned(n_partial), threads, size_t(smem), stream>>>(p);
+      KL_LAUNCH_CHECK("rms_norm_bwd_tma");
+      launched = true;
+    }
+  });
+  return launched;
+}
+
 // RMSNorm backward: the dx kernels write p.partial (allocated here), then dweight_finish_kernel sums it into dweight.
 template <typename T>
 void rms_norm_bwd_typed(NormBwd<T> p, float* dweight, const at::TensorOptions& f32, int64_t variant,
@@ -1385,7 +1542,10 @@ void rms_norm_bwd_typed(NormBwd<T> p, float* dweight, const at::TensorOptions& f
   at::Tensor partial;  // (n_partial, D) float32, alive until the finish kernel is enqueued (stream-ordered reuse)
   int64_t n_partial = 0;
   const RegConfig cfg = reg_config(p.D, N, 1024, kNormBwdMaxValues);
-  if ((variant == kRegisters || variant == kBest) && p.D <= kBwdRegMaxD && cfg.vpt > 0) {
+  const bool tma = (variant == kTma || variant == kBest) && launch_rms_norm_bwd_tma(p, partial, n_partial, f32, stream);
+  if (tma) {
+    // dx and the partial rows are written
+  } else if ((variant == kRegisters || variant == kBest || variant == kTma) && p.D <= kBwdRegMaxD && cfg.vpt > 0) {
     with_vpt(cfg.vpt, [&](auto vpt) {
       constexpr int VPT = decltype(vpt)::value;
       if constexpr (VPT * kVec<T> <= kNormBwdMaxValues) {
