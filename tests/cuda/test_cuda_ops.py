@@ -221,17 +221,33 @@ def test_rms_norm_backward_tma_over_many_rows(D, dtype, layout):
     for variant in ("tma", "best"):
         check_forward_backward(lambda x, w, v=variant: cuda.rms_norm(x, w, 1e-6, v), rms_norm_ref, [x, w],
                                atol=atol, name=f"rms_norm {variant} D={D}")  # fmt: skip
+    if torch.cuda.get_device_capability()[0] >= 9:  # and the checks above ran the TMA kernel where it fits
+        ops = torch.ops.kernel_lib_cuda
+        _, rstd = ops.rms_norm_fwd(x, w, 1e-6, -1)
+        dy = torch.randn_like(x)
+        names = bench.profile_kernels(lambda: ops.rms_norm_bwd(dy, x, w, rstd, 6), device="cuda", steps=1).by_name
+        fits = 4 * D * x.element_size() <= 225 * 1024  # two stages of dy and x
+        assert any("rms_norm_bwd_tma_kernel" in n for n in names) == fits, names
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9, reason="the TMA needs sm_90+")
-@pytest.mark.parametrize("layout, takes_tma", [("stride 8", True), ("stride 3", False), ("offset", False)])
-def test_rms_norm_backward_tma_runs_its_own_kernel_where_it_can(layout, takes_tma):
-    x = _strided_rows(layout, 4096)
+@pytest.mark.parametrize(
+    "x_layout, dy_layout, takes_tma",
+    [
+        ("stride 8", "stride 8", True),
+        ("stride 3", "stride 8", False),
+        ("offset", "stride 8", False),
+        ("stride 8", "stride 3", False),  # dy's rows are checked too (autograd passes a contiguous dy; the op may not)
+        ("stride 8", "offset", False),
+    ],
+)
+def test_rms_norm_backward_tma_runs_its_own_kernel_where_it_can(x_layout, dy_layout, takes_tma):
+    x = _strided_rows(x_layout, 4096)
     w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
     ops = torch.ops.kernel_lib_cuda
     _, rstd = ops.rms_norm_fwd(x, w, 1e-6, -1)
-    dy = torch.randn_like(x)
+    dy = _strided_rows(dy_layout, 4096)
     names = bench.profile_kernels(lambda: ops.rms_norm_bwd(dy, x, w, rstd, 6), device="cuda", steps=1).by_name
     assert any("rms_norm_bwd_tma_kernel" in n for n in names) == takes_tma, names
 
@@ -254,9 +270,12 @@ def test_softmax_rows_with_negative_infinity(variant):
 def test_cuda_graph_capture(D):
     x = torch.randn(64, D, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(D, device="cuda", dtype=torch.bfloat16)
-    want = cuda.rms_norm(x, w), cuda.softmax(x)
+    dy = torch.randn_like(x)
+    bwd = torch.ops.kernel_lib_cuda.rms_norm_bwd  # 4,096: the TMA backward (its host queries run during capture)
+    _, rstd = torch.ops.kernel_lib_cuda.rms_norm_fwd(x, w, 1e-6, -1)
+    want = cuda.rms_norm(x, w), cuda.softmax(x), *bwd(dy, x, w, rstd, -1)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = cuda.rms_norm(x, w), cuda.softmax(x)
+        out = cuda.rms_norm(x, w), cuda.softmax(x), *bwd(dy, x, w, rstd, -1)
     g.replay()
     torch.testing.assert_close(out, want, atol=0, rtol=0)

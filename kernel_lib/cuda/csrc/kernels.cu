@@ -57,10 +57,11 @@
 // instead of 8, so VPT doubles and the budget of 32 floats a thread is the same.
 //
 // Backward. RMSNorm, D <= 16,384: persistent blocks, one float32 dweight partial row each, one read of dy and x. With
-// kTma or kBest on Hopper, for rows the bulk copy can take (as step 6's), each block's rows of dy and x arrive by
-// bulk copies into two shared-memory stages, the next row's in flight while one is reduced and written, w and the
-// partials in registers; with kRegisters, and where the copy cannot run, dy and x of one row sit in registers and the
-// partials in shared memory. Other variants, and wider rows: two streaming kernels, a per-row coefficient then column
+// kTma (and kBest from 1,024 elements) on Hopper, for rows the bulk copy can take (as step 6's) and whose two stages
+// fit 225 KiB (float32 up to 14,400 elements), each block's rows of dy and x arrive by bulk copies into two
+// shared-memory stages, the next row's in flight while one is reduced and written, w and the partials in registers;
+// with kRegisters, and where the copy cannot run, dy and x of one row sit in registers and the partials in shared
+// memory. Other variants, and wider rows: two streaming kernels, a per-row coefficient then column
 // tiles computing dx and the dweight partials (dy and x read twice). Either way a last kernel sums the partial rows
 // in a fixed order: deterministic, no atomics. Softmax backward (no variants): registers up to D = 16,384, a
 // vectorized two-pass block per row beyond.
@@ -123,9 +124,10 @@ constexpr int kTmaMaxCluster = 16;         // the non-portable cluster size Hopp
 constexpr int kTmaVectorsPerThread = 8;    // 128-bit vectors of the slice a thread handles (measured: 4-16)
 constexpr int kBwdRegMaxD = 16384;        // backward registers paths: RMSNorm 1024 x 16 floats, softmax 512 x 32
 constexpr int kNormBwdMaxValues = 16;     // RMSNorm backward: dy and x held, 16 floats each per thread
-constexpr int kBwdTmaStages = 2;          // RMSNorm TMA backward: rows of dy and x per block (3: no faster)
+constexpr int kBwdTmaStages = 2;          // RMSNorm TMA backward: rows a block has in flight or ready (3: no faster)
 constexpr int kBwdTmaThreads = 1024;      // its threads a block, at most: one vector a thread where it can (measured)
 constexpr int kBwdTmaBlocksPerSm = 4;     // its blocks an SM, at most: each adds a dweight partial row (measured)
+constexpr int kBwdTmaBestMinD = 1024;     // kBest takes it from here (measured from 1,024; narrower rows: registers)
 constexpr int64_t kMaxD = int64_t(1) << 30;  // column indices are int: col + a stride step stays below 2^31
 
 // =====================================================================================================================
@@ -537,7 +539,8 @@ __device__ __forceinline__ float2 cluster_max_sum(const cg::cluster_group& clust
 }
 
 // Step 6's plumbing (sm_90+). An mbarrier counts the bytes the Tensor Memory Accelerator delivers; one thread arms it
-// with the byte count and issues the bulk copy, every thread waits on phase 0. Inline PTX: CUDA's C++ wrappers for
+// with the byte count and issues the bulk copy, every thread waits for the phase to complete (the forward uses phase
+// 0 once; the backward reuses its barriers, phases 0, 1, 0, ...). Inline PTX: CUDA's C++ wrappers for
 // these (cuda::device::memcpy_async_tx) appeared in CUDA 12.4 and change between versions.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
@@ -1542,7 +1545,8 @@ void rms_norm_bwd_typed(NormBwd<T> p, float* dweight, const at::TensorOptions& f
   at::Tensor partial;  // (n_partial, D) float32, alive until the finish kernel is enqueued (stream-ordered reuse)
   int64_t n_partial = 0;
   const RegConfig cfg = reg_config(p.D, N, 1024, kNormBwdMaxValues);
-  const bool tma = (variant == kTma || variant == kBest) && launch_rms_norm_bwd_tma(p, partial, n_partial, f32, stream);
+  const bool tma = (variant == kTma || (variant == kBest && p.D >= kBwdTmaBestMinD)) &&
+                   launch_rms_norm_bwd_tma(p, partial, n_partial, f32, stream);
   if (tma) {
     // dx and the partial rows are written
   } else if ((variant == kRegisters || variant == kBest || variant == kTma) && p.D <= kBwdRegMaxD && cfg.vpt > 0) {
