@@ -53,7 +53,7 @@
 // beat a cluster of two 16,384-element blocks (RMSNorm 96.7% of the copy against 84.0%), and at 262,144 the softmax
 // registers cluster (8 blocks of 32,768) fell below the online kernel (58.8% against 62.6%); on 2026-11-25, from
 // 65,536 to 262,144, the registers clusters read 68-80% (RMSNorm) and 67-70% (softmax, to 131,072) where the tma step
-// read 91-95% and 81-87%. The thresholds count elements, not bytes, for every dtype: float32 has 4 elements a vector
+// read 89-95% and 80-87% (five runs). The thresholds count elements, not bytes, for every dtype: float32 has 4 elements a vector
 // instead of 8, so VPT doubles and the budget of 32 floats a thread is the same.
 //
 // Backward. RMSNorm, D <= 16,384: persistent blocks, one float32 dweight partial row each, one read of dy and x. With
