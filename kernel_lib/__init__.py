@@ -22,8 +22,8 @@ from .ops.cross_entropy import cross_entropy, cross_entropy_ref
 from .ops.grouped_mm import grouped_mm, grouped_mm_ref
 from .ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from .ops.moe import MoE, moe, moe_ref
-from .ops.norms import LayerNorm, RMSNorm, layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
-from .ops.rope import rope, rope_cos_sin, rope_ref
+from .ops.norms import LayerNorm, RMSNorm, add_rms_norm, layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
+from .ops.rope import rope, rope_cos_sin, rope_ref, rope_to_cache, rope_to_cache_ref
 from .ops.softmax import softmax, softmax_ref
 from .ops.swiglu import geglu, geglu_ref, swiglu, swiglu_linear, swiglu_ref
 
@@ -46,6 +46,7 @@ __all__ = [
     "MoE",
     "rms_norm",
     "rms_norm_ref",
+    "add_rms_norm",
     "RMSNorm",
     "layer_norm",
     "layer_norm_ref",
@@ -53,6 +54,8 @@ __all__ = [
     "rope",
     "rope_ref",
     "rope_cos_sin",
+    "rope_to_cache",
+    "rope_to_cache_ref",
     "softmax",
     "softmax_ref",
     "swiglu",

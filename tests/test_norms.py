@@ -1,5 +1,6 @@
 """kernel_lib.rms_norm and kernel_lib.layer_norm against float64, forward and every gradient, plus compile, op
-checks and bad input.
+checks and bad input; add_rms_norm (the residual add fused into RMSNorm, for decoding) bit for bit against the
+separate add and norm.
 
 Both norms run the same kernels (kernel_lib/ops/norms.py, an IS_RMS switch), so most tests run once per norm
 through the ``norm`` fixture; what only one norm has (LayerNorm's bias, RMSNorm's bare mean square) is
@@ -269,3 +270,60 @@ def test_finish_kernel_sums_the_partials(device, programs, D, affine, dtype):
 @pytest.mark.parametrize("shape", [(4096, 4096), (1000, 16384), (3, 65536)], ids=str)  # large, wide, widest supported
 def test_large_on_gpu(norm, shape):
     check_forward_backward(norm.fn, norm.ref, _args(norm, shape, torch.bfloat16, "cuda"), atol=1e-2)
+
+
+# --------------------------------------------------------------------------------------------------
+# add_rms_norm: decoding's residual add and RMSNorm in one kernel
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape, layout",
+    [
+        ((1, 1, 2048), "contiguous"),  # one decoding token of a model with d 2048
+        ((3, 999), "contiguous"),  # width not a power of two
+        ((257, 64), "contiguous"),  # narrow rows packed several to a program
+        ((4, 5121), "sliced"),  # wide, odd, rows strided in memory
+        ((6, 128), "transposed"),  # a layout as_rows must copy
+    ],
+    ids=str,
+)
+def test_add_rms_norm_is_the_add_and_the_norm_bit_for_bit(device, shape, layout, dtype):
+    """Both outputs equal ``x + residual`` and ``rms_norm`` of it exactly: a decoder that fuses them picks the
+    same tokens as one that does not. (That rms_norm itself is right, against float64, the tests above check.)"""
+    x = rows_input(shape, dtype, device, layout)
+    residual = torch.randn(shape, device=device).to(dtype)
+    weight = (1 + 0.5 * torch.randn(shape[-1], device=device)).to(dtype)
+    with torch.no_grad():
+        y, total = norm_module.add_rms_norm(x, residual, weight, 1e-5)
+        want_total = x + residual
+        want_y = rms_norm(want_total, weight, 1e-5)
+    assert total.dtype == y.dtype == dtype
+    assert torch.equal(total, want_total)
+    assert torch.equal(y, want_y)
+
+
+def test_add_rms_norm_without_weight(device):
+    x, residual = torch.randn(5, 48, device=device), torch.randn(5, 48, device=device)
+    y, total = norm_module.add_rms_norm(x, residual)
+    assert torch.equal(y, rms_norm(x + residual))
+
+
+def test_add_rms_norm_opcheck(device):
+    x, residual, weight = (torch.randn(4, 32, device=device) for _ in range(3))
+    torch.library.opcheck(torch.ops.kernel_lib.add_rms_norm.default, (x, residual, weight, 1e-6))
+
+
+@pytest.mark.parametrize(
+    "x, residual, weight, error, words",
+    [
+        (torch.ones(2, 4), torch.ones(2, 5), None, ValueError, r"residual must have shape \(2, 4\)"),
+        (torch.ones(2, 4), torch.ones(2, 4).half(), None, TypeError, "x is float32, residual is float16"),
+        (torch.ones(2, 4), torch.ones(2, 4), torch.ones(3), ValueError, r"weight must have shape \(4,\)"),
+        (torch.ones(2, 4), torch.ones(2, 4, device="meta"), None, ValueError, "residual on meta"),
+        (torch.ones(2, 4, requires_grad=True), torch.ones(2, 4), None, ValueError, "for inference"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_add_rms_norm_bad_input_is_named(x, residual, weight, error, words):
+    with pytest.raises(error, match=words):
+        norm_module.add_rms_norm(x, residual, weight)

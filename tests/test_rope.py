@@ -1,9 +1,11 @@
-"""kernel_lib.rope against float64, forward and the gradients of x, cos and sin."""
+"""kernel_lib.rope against float64, forward and the gradients of x, cos and sin; rope_to_cache (decoding's
+rotation, cache write and query block in one kernel) against float64 and bit for bit against rope."""
 
 import pytest
 import torch
 
-from kernel_lib.ops.rope import rope, rope_cos_sin, rope_ref
+from kernel_lib.ops.rope import rope, rope_cos_sin, rope_ref, rope_to_cache, rope_to_cache_ref
+from kernel_lib.validate import check, report
 from tests._checks import check_forward_backward
 
 DTYPES = [  # (dtype, atol, rtol): allowance on top of 2x PyTorch's own error in that dtype
@@ -102,3 +104,112 @@ def test_large_on_gpu():
     x = torch.randn(4, 16, 4096, 128, device="cuda").bfloat16()
     cos, sin = rope_cos_sin(4096, 128, device="cuda")
     check_forward_backward(rope, rope_ref, [x, cos, sin], atol=1e-2, grads=[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# rope_to_cache: decoding's RoPE, cache write and query block in one kernel
+# --------------------------------------------------------------------------------------------------
+def _step_inputs(device, dtype, B, H, HKV, n, D, S):
+    """q, k, v as views of one fused qkv projection (B, n, (H + 2 HKV) D), the layout the GPT's step has, and
+    caches full of random values (untouched positions must keep them)."""
+    qkv = torch.randn(B, n, (H + 2 * HKV) * D, device=device).to(dtype)
+    q, k, v = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
+    q = q.view(B, n, H, D).transpose(1, 2)
+    k = k.view(B, n, HKV, D).transpose(1, 2)
+    v = v.view(B, n, HKV, D).transpose(1, 2)
+    cache_k = torch.randn(B, HKV, S, D, device=device).to(dtype)
+    cache_v = torch.randn(B, HKV, S, D, device=device).to(dtype)
+    return q, k, v, cache_k, cache_v
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize(
+    "B, H, HKV, n, D, S, pos, block_rows, block_start",
+    [
+        (1, 4, 4, 1, 16, 40, 30, 16, 24),  # a graph's decode step: one token in a block of 16 rows
+        (2, 4, 2, 1, 16, 40, 39, 16, 24),  # grouped-query heads, the last position of the cache
+        (2, 4, 4, 5, 32, 50, 10, None, None),  # a prefill chunk: the block is the rotated q itself
+        (1, 2, 1, 3, 6, 20, 12, 8, 12),  # D / 2 = 3, not a power of two; queries at the block's first rows
+        (1, 3, 3, 20, 8, 24, 0, None, None),  # more tokens than one program's 16 rows
+    ],
+    ids=str,
+)
+def test_rope_to_cache_against_float64(device, dtype, atol, rtol, B, H, HKV, n, D, S, pos, block_rows, block_start):
+    q, k, v, cache_k, cache_v = _step_inputs(device, dtype, B, H, HKV, n, D, S)
+    cos, sin = rope_cos_sin(64, D, device=device)
+    want_k, want_v = cache_k.double(), cache_v.double()
+    base_k, base_v = cache_k.clone(), cache_v.clone()
+    tensor_pos = block_start is not None  # a graph's step passes the position as a tensor
+    p = torch.tensor([pos], device=device) if tensor_pos else pos
+    want = rope_to_cache_ref(q.double(), k.double(), v.double(), cos.double(), sin.double(), p, want_k, want_v,
+                             block_rows, block_start)  # fmt: skip
+    base = rope_to_cache_ref(q, k, v, cos, sin, p, base_k, base_v, block_rows, block_start)  # PyTorch in dtype
+    out = rope_to_cache(q, k, v, cos, sin, p, cache_k, cache_v, block_rows, block_start)
+    results = [
+        check(out, want, base, name="block", atol=atol, rtol=rtol),
+        check(cache_k, want_k, base_k, name="cache_k", atol=atol, rtol=rtol),
+        check(cache_v, want_v, base_v, name="cache_v", atol=0.0, rtol=0.0),  # copied, not computed
+    ]
+    assert all(r.ok for r in results), report(results)
+
+
+def test_rope_to_cache_rotates_bit_for_bit_as_rope(device):
+    """A decoder that calls rope_to_cache must pick the same tokens as one that calls rope: the same float32
+    arithmetic, rounded once. The block's other rows are zero, and positions not in the step are untouched."""
+    B, H, HKV, n, D, S, pos = 2, 4, 2, 3, 32, 48, 20
+    q, k, v, cache_k, cache_v = _step_inputs(device, torch.bfloat16, B, H, HKV, n, D, S)
+    before_k, before_v = cache_k.clone(), cache_v.clone()
+    cos, sin = rope_cos_sin(64, D, device=device)
+    block = rope_to_cache(q, k, v, cos, sin, torch.tensor([pos], device=device), cache_k, cache_v, 16, 16)
+    c, s = cos[pos : pos + n], sin[pos : pos + n]
+    assert torch.equal(block[:, :, pos - 16 : pos - 16 + n], rope(q, c, s))
+    assert torch.equal(cache_k[:, :, pos : pos + n], rope(k, c, s))
+    assert torch.equal(cache_v[:, :, pos : pos + n], v)
+    others = torch.ones(16, dtype=torch.bool)
+    others[pos - 16 : pos - 16 + n] = False
+    assert not block[:, :, others].any()
+    keep = torch.ones(S, dtype=torch.bool)
+    keep[pos : pos + n] = False
+    assert torch.equal(cache_k[:, :, keep], before_k[:, :, keep])
+    assert torch.equal(cache_v[:, :, keep], before_v[:, :, keep])
+
+
+def test_rope_to_cache_opcheck(device):
+    q, k, v, cache_k, cache_v = _step_inputs(device, torch.float32, 1, 2, 2, 1, 16, 8)
+    cos, sin = rope_cos_sin(8, 16, device=device)
+    pos = torch.tensor([5], device=device)
+    torch.library.opcheck(torch.ops.kernel_lib.rope_to_cache.default, (q, k, v, cos, sin, pos, cache_k, cache_v, 4, 4))
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (dict(pos=7), ValueError, r"positions \[7, 9\) do not fit the cache"),  # 2 tokens past a cache of 8
+        (dict(pos=torch.tensor([1], dtype=torch.int32)), ValueError, "one int64 element"),
+        (dict(pos=torch.tensor([1])), ValueError, "give block_start"),  # a tensor position needs the block's start
+        (dict(block_rows=1), ValueError, "block_rows must be an int >= the step's 2 tokens"),
+        (dict(block_rows=4, block_start=4), ValueError, "fall outside the block"),
+        (dict(cache_k=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), TypeError, "share one dtype"),
+        (dict(cache_v=torch.zeros(1, 2, 16, 8).transpose(2, 3)), ValueError, "cache_v must be a contiguous"),
+        (dict(cos=torch.ones(8, 16)), ValueError, r"cos and sin must be \(L, 8\) tables"),
+        (dict(k=torch.zeros(1, 2, 2, 32)[..., ::2]), ValueError, "k must have unit stride"),
+        (dict(v=torch.zeros(1, 1, 2, 16)), ValueError, r"v must have shape \(1, 2, 2, 16\)"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_rope_to_cache_bad_input_is_named(change, error, words):
+    args = dict(
+        q=torch.zeros(1, 2, 2, 16), k=torch.zeros(1, 2, 2, 16), v=torch.zeros(1, 2, 2, 16),
+        cos=torch.ones(8, 8), sin=torch.zeros(8, 8), pos=0, cache_k=torch.zeros(1, 2, 8, 16),
+        cache_v=torch.zeros(1, 2, 8, 16),
+    )  # fmt: skip
+    args.update(change)
+    with pytest.raises(error, match=words):
+        rope_to_cache(**args)
+
+
+def test_rope_to_cache_refuses_autograd():
+    q = torch.zeros(1, 1, 1, 8, requires_grad=True)
+    cache = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="for inference"):
+        rope_to_cache(q, q.detach(), q.detach(), torch.ones(4, 4), torch.zeros(4, 4), 0, cache, cache.clone())

@@ -78,14 +78,18 @@ With a tensor, ``kv_len`` is a Python int fixed per captured graph: ``kv_bucket(
 a multiple of ``DECODE_BUCKET`` (64) positions, so a generation uses one graph per 64 tokens and reads at most 63
 unused positions. Attention over the cache: naive writes the masked scores out; native calls SDPA with a
 boolean mask; kernel_lib calls ``flash_attention`` (``flash_over_cache`` explains how it hides the unused tail
-without a mask argument).
+without a mask argument), after one ``rope_to_cache`` kernel per layer that rotates q and k, writes k and v into
+the cache and places the queries in flash_over_cache's block (the native step's two gathers, two rotations and
+two cache writes, and a fill and a scatter for the block), and each residual add is done by the RMSNorm that
+reads the sum (``add_norm``: one kernel for the two). Where the tokens sit (``StepPlace``) is worked out once per
+step, not per layer.
 """
 
 import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -95,11 +99,14 @@ from torch.utils.checkpoint import checkpoint
 from ..ops.attention import HEAD_DIMS, flash_attention
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.moe import MoE
-from ..ops.norms import RMSNorm
-from ..ops.rope import rope, rope_cos_sin
+from ..ops.norms import RMSNorm, add_rms_norm
+from ..ops.rope import rope, rope_cos_sin, rope_to_cache
 from ..ops.swiglu import swiglu_linear
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "transfer_weights", "naive_layout", "kv_bucket", "IMPLS", "DECODE_BUCKET"]
+__all__ = [
+    "GPT", "GPTConfig", "KVCache", "StepPlace", "transfer_weights", "naive_layout", "kv_bucket", "IMPLS",
+    "DECODE_BUCKET",
+]  # fmt: skip
 
 IMPLS = ("naive", "native", "kernel_lib")
 DECODE_BUCKET = 64  # cache positions per decode bucket: kv_len of a tensor-position step is a multiple of it
@@ -202,6 +209,29 @@ def kv_bucket(end: int, max_len: int) -> int:
     return min(max_len, -(-end // DECODE_BUCKET) * DECODE_BUCKET)
 
 
+class StepPlace(NamedTuple):
+    """Where a decoding step's tokens sit, worked out once per ``GPT.forward_step`` and passed to every layer.
+
+    positions (n,) int64 on the model's device; kv_len, the cache positions attention reads; exact: kv_len is
+    pos + n (int pos) rather than a bucket end; rows (n,): for a bucketed step, each query's row in the query
+    block of ``flash_over_cache`` (None when exact)."""
+
+    positions: torch.Tensor
+    kv_len: int
+    exact: bool
+    rows: Optional[torch.Tensor]
+
+    @property
+    def block_rows(self) -> int:
+        """R, the rows of the query block: n when exact, else min(kv_len, DECODE_BUCKET)."""
+        return self.positions.shape[0] if self.exact else min(self.kv_len, DECODE_BUCKET)
+
+    @property
+    def block_start(self) -> int:
+        """The position that the block's row 0 stands for: kv_len - R (pos itself when exact)."""
+        return self.kv_len - self.block_rows
+
+
 def _cache_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
     """(n, kv_len) bool, True where query t (at positions[t]) sees cached key j: j <= positions[t]."""
     return torch.arange(kv_len, device=positions.device) <= positions[:, None]
@@ -215,30 +245,25 @@ def _write_cache(cache_k, cache_v, k, v, positions, kv_len: int):
     return cache_k[:, :, :kv_len], cache_v[:, :, :kv_len]
 
 
-def flash_over_cache(q, keys, values, positions, exact: bool):
-    """kernel_lib.flash_attention of q (B, H, n, hd), the queries at ``positions``, over the cached ``keys``,
-    ``values`` (B, Hkv, M, hd) with M = kv_len, where key j is visible to query t iff j <= positions[t].
+def flash_over_cache(block, keys, values, rows: Optional[torch.Tensor]):
+    """kernel_lib.flash_attention of the queries in ``block`` (B, H, R, hd) over the cached ``keys``, ``values``
+    (B, Hkv, M, hd), M = kv_len, where the query at position p must see the keys j <= p and no other.
 
     flash_attention has no mask and no length argument: what a query sees follows from the shapes alone (causal,
-    aligned bottom-right: row i of N sees keys j <= i + M - N). With ``exact`` (M = pos + n, known on the host:
-    prefill and eager decode) that is already the rule: causal, and no key is read in vain. With a position
-    tensor (graph decode) M is a bucket end that may exceed pos + n, and the stale tail must stay hidden without
-    reading pos on the host. So the queries are scattered into a zero block of R = min(M, DECODE_BUCKET) rows, the
-    one at position p into row p - (M - R): that row sees keys j <= p exactly. The other rows are discarded. R rows
-    cost what one does, as the kernel pads queries to a tile of 16 or more rows anyway and decode reads the cache,
-    not the queries; the scatter and gather are index ops on a position tensor, fine inside a CUDA graph. Rejected:
-    slicing k, v to pos + 1 (a new shape, hence a new graph, every token); the full square M x M (right, but M²
-    work per token); zero keys in the tail with a log-sum-exp correction (their scores are 0, not -inf: the
-    correction cancels catastrophically when the true scores are small). Needs pos >= M - R, which kv_bucket
-    guarantees and forward_step checks outside graph capture."""
-    if exact:
-        return flash_attention(q, keys, values, causal=True)
-    B, H, n, D = q.shape
-    M = keys.shape[2]
-    R = min(M, DECODE_BUCKET)
-    rows = positions - (M - R)  # (n,) the row of each query in the block
-    block = q.new_zeros(B, H, R, D).index_copy_(2, rows, q)  # (B, H, R, hd)
-    return flash_attention(block, keys, values, causal=True).index_select(2, rows)  # (B, H, n, hd)
+    aligned bottom-right: row i of R sees keys j <= i + M - R). So a query at position p is placed at row
+    p - (M - R) of the block, and that row sees keys j <= p exactly. When the step is exact (M = pos + n, known
+    on the host: prefill and eager decode), the block is the step's queries themselves (R = n, rows None). With a
+    position tensor (graph decode), M is a bucket end that may exceed pos + n, and the stale tail must stay
+    hidden without reading pos on the host: the block has R = min(M, DECODE_BUCKET) rows, zero but for the
+    queries (``kernel_lib.rope_to_cache`` writes it, rotating them on the way), and ``rows`` (n,) picks the
+    queries' rows of the output; the others are discarded. R rows cost what one does, as the kernel pads queries
+    to a tile of 16 or more rows anyway and decode reads the cache, not the queries. Rejected: slicing k, v to
+    pos + 1 (a new shape, hence a new graph, every token); the full square M x M (right, but M² work per token);
+    zero keys in the tail with a log-sum-exp correction (their scores are 0, not -inf: the correction cancels
+    catastrophically when the true scores are small). Needs pos >= M - R, which kv_bucket guarantees and
+    forward_step checks outside graph capture. Returns (B, H, n, hd)."""
+    out = flash_attention(block, keys, values, causal=True)
+    return out if rows is None else out.index_select(2, rows)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,9 +324,10 @@ class NaiveAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.o(y)
 
-    def step(self, x, cache_k, cache_v, positions, kv_len: int, exact: bool):
-        """x (B, n, C) at ``positions`` (n,): q, k, v and RoPE as in forward, k and v written into the cache,
-        scores over the first kv_len cached keys with the positions after each query masked out."""
+    def step(self, x, cache_k, cache_v, place: StepPlace):
+        """x (B, n, C) at ``place.positions`` (n,): q, k, v and RoPE as in forward, k and v written into the
+        cache, scores over the first kv_len cached keys with the positions after each query masked out."""
+        positions, kv_len = place.positions, place.kv_len
         B, n, C = x.shape
         q = self.q(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
         k = self.k(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
@@ -417,25 +443,21 @@ class NativeAttention(nn.Module):
         y = _sdpa(q, k, v, is_causal=True)  # (B, H, T, hd); no T x T tensor on GPUs
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
-    _rope = staticmethod(apply_rope)  # the rotation a step uses; kernel_lib's version swaps in kernel_lib.rope
-
-    def step(self, x, cache_k, cache_v, positions, kv_len: int, exact: bool):
-        """x (B, n, C) at ``positions`` (n,): RoPE from the tables' rows at those positions, k and v written into
-        the cache, attention over the first kv_len cached keys (``_attend_cache``)."""
+    def step(self, x, cache_k, cache_v, place: StepPlace):
+        """x (B, n, C) at ``place.positions`` (n,): RoPE from the tables' rows at those positions, k and v written
+        into the cache, attention over the first kv_len cached keys with a boolean mask."""
+        positions, kv_len = place.positions, place.kv_len
         B, n, C = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
         k = k.view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
         v = v.view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)  # (n, hd/2), no sync
-        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, Hkv, kv_len, hd)
-        y = self._attend_cache(q, keys, values, positions, exact)  # (B, H, n, hd)
-        return self.o(y.transpose(1, 2).reshape(B, n, C))
-
-    def _attend_cache(self, q, keys, values, positions, exact: bool):
         # a boolean mask (True: attend) over all kv_len keys; SDPA picks a kernel that takes masks
-        return _sdpa(q, keys, values, attn_mask=_cache_mask(positions, keys.shape[2]))
+        y = _sdpa(q, keys, values, attn_mask=_cache_mask(positions, kv_len))  # (B, H, n, hd)
+        return self.o(y.transpose(1, 2).reshape(B, n, C))
 
 
 class NativeMLP(nn.Module):
@@ -501,12 +523,22 @@ class KernelAttention(NativeAttention):
             y = _sdpa(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
-    _rope = staticmethod(rope)
-
-    def _attend_cache(self, q, keys, values, positions, exact: bool):
-        if q.dtype in (torch.float16, torch.bfloat16):
-            return flash_over_cache(q, keys, values, positions, exact)
-        return super()._attend_cache(q, keys, values, positions, exact)  # float32: SDPA, as in forward
+    def step(self, x, cache_k, cache_v, place: StepPlace):
+        """NativeAttention.step with one kernel for RoPE, the cache write and the query block
+        (``kernel_lib.rope_to_cache``), then ``flash_over_cache``; float32 runs the native step (SDPA)."""
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return super().step(x, cache_k, cache_v, place)
+        B, n, C = x.shape
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd), strided views: no copy
+        k = k.view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
+        v = v.view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        block = rope_to_cache(
+            q, k, v, self.cos, self.sin, place.positions[:1], cache_k, cache_v, place.block_rows, place.block_start
+        )  # (B, H, R, hd)
+        kv = place.kv_len
+        y = flash_over_cache(block, cache_k[:, :, :kv], cache_v[:, :, :kv], place.rows)  # (B, H, n, hd)
+        return self.o(y.transpose(1, 2).reshape(B, n, C))
 
 
 class KernelMLP(NativeMLP):
@@ -560,9 +592,25 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
 
-    def step(self, x, cache_k, cache_v, positions, kv_len: int, exact: bool):
-        x = x + self.attn.step(self.attn_norm(x), cache_k, cache_v, positions, kv_len, exact)
-        return x + self.mlp(self.mlp_norm(x))
+    def step(self, x, delta, cache_k, cache_v, place: StepPlace):
+        """A decoding step through the block. ``delta``: the previous block's MLP output, not yet added to the
+        residual stream x (None at the first block): each residual add is done by the norm that reads its sum
+        (``add_norm``). Returns (x, this block's MLP output)."""
+        h, x = add_norm(self.attn_norm, x, delta)
+        h, x = add_norm(self.mlp_norm, x, self.attn.step(h, cache_k, cache_v, place))
+        return x, self.mlp(h)
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor, delta: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + delta), x + delta), or (norm(x), x) when delta is None: the residual add and the next norm of a
+    decoding step. kernel_lib's RMSNorm does both in one kernel (``add_rms_norm``, equal bit for bit to the two
+    apart); the other versions add, then normalize."""
+    if delta is None:
+        return norm(x), x
+    if isinstance(norm, RMSNorm):
+        return add_rms_norm(delta, x, norm.weight, norm.eps)
+    x = x + delta
+    return norm(x), x
 
 
 class GPT(nn.Module):
@@ -658,8 +706,8 @@ class GPT(nn.Module):
         kw = dict(device=w.device if device is None else device, dtype=w.dtype if dtype is None else dtype)
         return KVCache([torch.zeros(shape, **kw) for _ in self.blocks], [torch.zeros(shape, **kw) for _ in self.blocks])
 
-    def _check_step(self, idx, cache, pos, kv_len) -> tuple[torch.Tensor, int, bool]:
-        """Check a step's arguments; return (positions (n,) int64 on idx's device, kv_len, exact)."""
+    def _check_step(self, idx, cache, pos, kv_len) -> StepPlace:
+        """Check a step's arguments; return where its tokens sit."""
         self._check(idx)
         B, n = idx.shape
         if not isinstance(cache, KVCache) or len(cache.k) != self.config.n_layers:
@@ -703,7 +751,10 @@ class GPT(nn.Module):
                 f"kv_len {kv_len} reaches more than DECODE_BUCKET ({DECODE_BUCKET}) positions past pos {host_pos} "
                 "(flash_over_cache's block of queries): use kv_bucket(pos + n, max_len)"
             )
-        return positions, kv_len, exact
+        place = StepPlace(positions, kv_len, exact, None)
+        if not exact:  # each query's row in flash_over_cache's block, once per step rather than once per layer
+            place = place._replace(rows=positions - place.block_start)
+        return place
 
     @torch.no_grad()
     def forward_step(self, idx: torch.Tensor, cache: KVCache, pos, kv_len: Optional[int] = None) -> torch.Tensor:
@@ -715,11 +766,11 @@ class GPT(nn.Module):
         default pos + n for an int pos; required with a tensor, which needs pos + n <= kv_len <= pos + 64 or
         kv_len <= 64 (``kv_bucket(pos + n, max_len)``; checked unless a CUDA graph is being captured).
         """
-        positions, kv_len, exact = self._check_step(idx, cache, pos, kv_len)
-        x = self.embed(idx)
+        place = self._check_step(idx, cache, pos, kv_len)
+        x, delta = self.embed(idx), None
         for block, cache_k, cache_v in zip(self.blocks, cache.k, cache.v, strict=True):
-            x = block.step(x, cache_k, cache_v, positions, kv_len, exact)
-        return self.head(self.norm_f(x))
+            x, delta = block.step(x, delta, cache_k, cache_v, place)
+        return self.head(add_norm(self.norm_f, x, delta)[0])
 
     def num_parameters(self) -> int:
         """All parameters, counted: the module docstring's N."""

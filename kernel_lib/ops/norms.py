@@ -19,6 +19,9 @@ before dbias's; a small finish kernel sums each column over the programs in a fi
 and dbias in the parameters' dtype (no atomics: deterministic). A frozen weight or bias (requires_grad False)
 is neither accumulated nor summed.
 
+``add_rms_norm(x, residual, weight)`` is decoding's fused residual add: the forward kernel adds the residual to
+x first (rounded to x's dtype, as a separate add would), writes that sum, and normalizes it; inference only.
+
 Registered as the ``kernel_lib::norm_fwd`` / ``kernel_lib::norm_bwd`` custom ops with fake implementations,
 which the one ``autograd.Function`` calls under torch.compile, so ``torch.compile(fullgraph=True)`` traces
 through it. Sources: Ba, Kiros & Hinton, "Layer Normalization" (2016); Zhang & Sennrich, "Root Mean Square
@@ -43,7 +46,7 @@ from ._utils import (
     use_triton,
 )
 
-__all__ = ["rms_norm", "rms_norm_ref", "RMSNorm", "layer_norm", "layer_norm_ref", "LayerNorm"]
+__all__ = ["rms_norm", "rms_norm_ref", "RMSNorm", "add_rms_norm", "layer_norm", "layer_norm_ref", "LayerNorm"]
 
 # Rows wider than this run the backward's WIDE loop: holding two such rows (prefetch) spills registers.
 WIDE_ROW = 8192
@@ -82,12 +85,15 @@ def layer_norm_ref(
 @triton.jit
 def _norm_fwd_kernel(
     x_ptr,  # input, (n_rows, D) with unit stride along D
+    r_ptr,  # residual, (n_rows, D) with unit stride along D, added to x first; unused unless HAS_RESIDUAL
     w_ptr,  # weight (D,); unused when HAS_WEIGHT is False
     b_ptr,  # bias (D,); unused when HAS_BIAS is False
     y_ptr,  # output, (n_rows, D) contiguous, x's dtype
+    s_ptr,  # output, (n_rows, D) contiguous, x's dtype: x + residual, the norm's input; unused unless HAS_RESIDUAL
     mean_ptr,  # output, (n_rows,) float32: row means, saved for backward; unused when IS_RMS
     rstd_ptr,  # output, (n_rows,) float32: 1 / sqrt(var + eps), or 1 / rms when IS_RMS; saved for backward
     x_row_stride,  # elements between the starts of consecutive rows of x
+    r_row_stride,  # elements between the starts of consecutive rows of the residual
     n_rows,  # number of rows
     D,  # row width
     inv_D,  # 1 / D, rounded once on the host: x / D compiles to an approximate division on GPUs
@@ -95,6 +101,7 @@ def _norm_fwd_kernel(
     IS_RMS: tl.constexpr,  # RMSNorm: no mean subtracted (and no bias)
     HAS_WEIGHT: tl.constexpr,  # multiply by weight or not
     HAS_BIAS: tl.constexpr,  # add bias or not
+    HAS_RESIDUAL: tl.constexpr,  # normalize x + residual (and write it) instead of x
     BLOCK_D: tl.constexpr,  # power of two >= D: a whole row per block
     BLOCK_M: tl.constexpr,  # rows per program (more than one only for narrow rows)
 ):
@@ -104,6 +111,12 @@ def _norm_fwd_kernel(
     mask = row_mask[:, None] & (cols[None, :] < D)
     rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2**31 elements
     x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows64[:, None] * r_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # rounded to x's dtype before the norm reads it: the same sum, bit for bit, as a separate add kernel's
+        x = (x + r).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + rows64[:, None] * D + cols[None, :], x, mask=mask)
+        x = x.to(tl.float32)
     if IS_RMS:
         centered = x  # padding loaded as 0 adds nothing to the mean square
     else:
@@ -230,23 +243,27 @@ def _norm_bwd_finish_kernel(
 # Launchers (inputs already checked by the functional API). What they do not compute (RMSNorm's mean, the
 # gradient of a frozen parameter) they return as None.
 # --------------------------------------------------------------------------------------------------
-def _forward(x, weight, bias, eps, is_rms):
+def _forward(x, weight, bias, eps, is_rms, residual=None):
+    """(y, mean, rstd), and with a residual (same shape as x) also x + residual, the input y normalizes."""
     # Allocated in their final shapes, contiguous: the kernel writes them as (n_rows, D) and (n_rows,).
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     mean = None if is_rms else torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     rstd = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
+    total = None if residual is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if x.numel() == 0:  # no rows, or rows of width 0
-        return y, mean, rstd
+        return (y, mean, rstd) if residual is None else (y, mean, rstd, total)
     rows = as_rows(x)  # (n_rows, D)
+    res_rows = rows if residual is None else as_rows(residual)
     n_rows, D = rows.shape
     block_d, block_m, num_warps = row_block_settings(D, x.element_size())
     _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-        rows, weight if weight is not None else rows, bias if bias is not None else rows, y,
-        rstd if is_rms else mean, rstd, rows.stride(0), n_rows, D, 1.0 / D, eps,
-        IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d, BLOCK_M=block_m,
-        num_warps=num_warps,
+        rows, res_rows, weight if weight is not None else rows, bias if bias is not None else rows, y,
+        total if total is not None else y, rstd if is_rms else mean, rstd, rows.stride(0), res_rows.stride(0),
+        n_rows, D, 1.0 / D, eps,
+        IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK_D=block_d, BLOCK_M=block_m, num_warps=num_warps,
     )  # fmt: skip
-    return y, mean, rstd
+    return (y, mean, rstd) if residual is None else (y, mean, rstd, total)
 
 
 def _backward(dy, x, weight, bias, mean, rstd, is_rms, weight_grad=True, bias_grad=True):
@@ -330,6 +347,23 @@ def _(dy, x, weight, bias, mean, rstd, is_rms, weight_grad, bias_grad):
     return x.new_empty(x.shape), dw, db
 
 
+def _add_rms_norm(x, residual, weight, eps):
+    y, _, _, total = _forward(x, weight, None, eps, True, residual)
+    return y, total
+
+
+@torch.library.custom_op("kernel_lib::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _add_rms_norm(x, residual, weight, eps)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
 # --------------------------------------------------------------------------------------------------
 # Autograd: the launchers in eager mode, the ops under torch.compile (see _utils.launch_or_op)
 # --------------------------------------------------------------------------------------------------
@@ -376,6 +410,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     if not use_triton(x, op="rms_norm"):  # CPU without the interpreter: the reference, differentiated by autograd
         return rms_norm_ref(x, weight, eps)
     return _Norm.apply(x, weight, None, eps, True)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` and ``rms_norm(s, weight, eps)`` in one kernel; returns (normed, s), both in x's dtype.
+
+    A pre-norm transformer adds each sublayer's output to the residual stream and normalizes the sum for the next
+    sublayer: two kernels and an extra pass over the row, which at decoding's single row per sequence cost
+    mostly their launches. s is rounded to x's dtype before it is normalized, so both outputs equal the separate
+    ``x + residual`` and ``rms_norm`` bit for bit. Inference only (no autograd: call it under
+    ``torch.no_grad()``); training uses ``rms_norm``. x and residual: same shape and dtype, any strides with
+    unit stride along the last dim."""
+    check_tensor(x, "x", min_ndim=1)
+    check_tensor(residual, "residual", min_ndim=1)
+    check_shape(residual, "residual", x.shape)
+    check_same_dtype(x=x, residual=residual)
+    if weight is not None:
+        check_tensor(weight, "weight", ndim=1)
+        check_shape(weight, "weight", (x.shape[-1],))
+    check_same_device(x=x, residual=residual, weight=weight)
+    eps = _check_eps(eps)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight)):
+        raise ValueError("add_rms_norm is for inference (no autograd): call it under torch.no_grad()")
+    if not use_triton(x, op="add_rms_norm"):  # CPU without the interpreter: the reference
+        total = x + residual
+        return rms_norm_ref(total, weight, eps), total
+    return launch_or_op(_add_rms_norm, _add_rms_norm_op)(x, residual, weight, eps)
 
 
 def layer_norm(

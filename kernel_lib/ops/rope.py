@@ -14,6 +14,18 @@ Registered as the ``kernel_lib::rope`` custom op with a fake implementation, whi
 ``autograd.Function`` calls under torch.compile, so ``torch.compile(fullgraph=True)`` traces through it. Source:
 Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021); the rotate-half layout is
 GPT-NeoX's and Llama's.
+
+``rope_to_cache`` is decoding's version (inference only, no autograd): for a step of n tokens at positions
+pos..pos+n-1 with q (B, H, n, D) and k, v (B, Hkv, n, D) sliced from the qkv projection, one kernel
+
+    reads the tables' rows at those positions     (no gathered copy of cos and sin)
+    writes rope(k) and v into cache_k, cache_v    (B, Hkv, S, D) at those positions
+    returns rope(q) in a block of R >= n rows     (B, H, R, D): token t at row pos + t - block_start, other rows 0
+
+where an unfused step runs a gather per table, a rotation per tensor, a cache write per tensor and, for the
+query block of ``kernel_lib.models.gpt.flash_over_cache``, a fill and a scatter. pos may be a one-element tensor
+(a CUDA graph's step: the position is data). It does the same float32 arithmetic as ``rope``, so a decoder that
+calls it rotates exactly as one that calls ``rope`` (bit for bit on the same GPU).
 """
 
 import functools
@@ -24,9 +36,10 @@ import triton.language as tl
 
 from ._utils import check_same_device, check_shape, check_tensor, launch_or_op, use_triton
 
-__all__ = ["rope", "rope_ref", "rope_cos_sin"]
+__all__ = ["rope", "rope_ref", "rope_cos_sin", "rope_to_cache", "rope_to_cache_ref"]
 
 BLOCK_N = 16  # positions per program
+CACHE_BLOCK_T = 16  # rope_to_cache: tokens (or block rows) per program
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -42,6 +55,18 @@ def rope_cos_sin(n: int, dim: int, base: float = 10000.0, device=None, dtype=tor
     inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
     angles = torch.arange(n, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (n, dim/2)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_to_cache_ref(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows=None, block_start=None):
+    """rope_to_cache's definition in plain PyTorch (index ops on a position tensor: no host sync)."""
+    n = q.shape[2]
+    pos, block_rows, block_start = _cache_place(pos, q, n, block_rows, block_start)
+    positions = pos.reshape(1) + torch.arange(n, device=q.device)  # (n,)
+    c, s = cos.index_select(0, positions), sin.index_select(0, positions)  # (n, D/2)
+    cache_k.index_copy_(2, positions, rope_ref(k, c, s))
+    cache_v.index_copy_(2, positions, v)
+    block = q.new_zeros(q.shape[0], q.shape[1], block_rows, q.shape[3])
+    return block.index_copy_(2, positions - block_start, rope_ref(q, c, s))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,6 +105,76 @@ def _rope_kernel(
     tl.store(out_rows + HALF + i[None, :], (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rope_cache_kernel(
+    q_ptr,  # queries (B, H, n, D), unit stride along D
+    k_ptr,  # keys (B, Hkv, n, D), unit stride along D
+    v_ptr,  # values (B, Hkv, n, D), unit stride along D
+    cos_ptr,  # table (L, D/2) contiguous: row p holds position p's angles
+    sin_ptr,  # table (L, D/2) contiguous
+    pos_ptr,  # (1,) int64: the position of token 0; token t sits at pos + t
+    cache_k_ptr,  # key cache (B, Hkv, S, D) contiguous, written at the tokens' positions
+    cache_v_ptr,  # value cache (B, Hkv, S, D) contiguous
+    block_ptr,  # output (B, H, R, D) contiguous: the rotated queries, token t at row pos + t - BLOCK_START
+    stride_qb,  # elements between batches of q
+    stride_qh,  # elements between heads of q
+    stride_qn,  # elements between tokens of q
+    stride_kb,  # the same three for k
+    stride_kh,
+    stride_kn,
+    stride_vb,  # and for v
+    stride_vh,
+    stride_vn,
+    H,  # query heads
+    HKV,  # key/value heads
+    N,  # tokens in this step
+    R,  # rows of the query block
+    S,  # positions in the cache
+    L,  # rows of the tables
+    BLOCK_START,  # the position that block row 0 stands for
+    HALF: tl.constexpr,  # D / 2
+    BLOCK_T: tl.constexpr,  # tokens or block rows per program
+    BLOCK_HALF: tl.constexpr,  # power of two >= D / 2
+):
+    # Programs along axis 0 are (batch, head) pairs over H query heads then HKV key/value heads; along axis 1,
+    # blocks of BLOCK_T rows of the query block (query heads) or of tokens (key/value heads).
+    head = tl.program_id(0)
+    b, h = (head // (H + HKV)).to(tl.int64), head % (H + HKV)
+    p0 = tl.load(pos_ptr)
+    r = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    i = tl.arange(0, BLOCK_HALF)
+    col = i[None, :] < HALF
+    if h < H:  # a query head: every row of the block is written, rows without a token as zeros
+        t = r + (BLOCK_START - p0)  # the token that row r holds, if 0 <= t < N
+        pos = p0 + t
+        ok = ((r < R) & (t >= 0) & (t < N) & (pos < L))[:, None] & col
+        q_src = q_ptr + b * stride_qb + h * stride_qh + t[:, None] * stride_qn
+        x1 = tl.load(q_src + i[None, :], mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(q_src + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + pos[:, None] * HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos[:, None] * HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+        out = block_ptr + ((b * H + h) * R + r[:, None]) * (2 * HALF)
+        keep = (r < R)[:, None] & col
+        tl.store(out + i[None, :], (x1 * c - x2 * s).to(block_ptr.dtype.element_ty), mask=keep)
+        tl.store(out + HALF + i[None, :], (x2 * c + x1 * s).to(block_ptr.dtype.element_ty), mask=keep)
+    else:  # a key/value head: the step's tokens, rotated keys and plain values into the cache
+        kh = h - H
+        pos = p0 + r
+        # a token outside the cache or the tables is not written (forward_step checks the bounds in eager use)
+        ok = ((r < N) & (pos >= 0) & (pos < S) & (pos < L))[:, None] & col
+        k_src = k_ptr + b * stride_kb + kh * stride_kh + r[:, None] * stride_kn
+        x1 = tl.load(k_src + i[None, :], mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(k_src + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + pos[:, None] * HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos[:, None] * HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+        at = ((b * HKV + kh) * S + pos[:, None]) * (2 * HALF)  # the row's offset in either cache
+        tl.store(cache_k_ptr + at + i[None, :], (x1 * c - x2 * s).to(cache_k_ptr.dtype.element_ty), mask=ok)
+        tl.store(cache_k_ptr + at + HALF + i[None, :], (x2 * c + x1 * s).to(cache_k_ptr.dtype.element_ty), mask=ok)
+        v_src = v_ptr + b * stride_vb + kh * stride_vh + r[:, None] * stride_vn
+        tl.store(cache_v_ptr + at + i[None, :], tl.load(v_src + i[None, :], mask=ok, other=0.0), mask=ok)
+        tl.store(cache_v_ptr + at + HALF + i[None, :], tl.load(v_src + HALF + i[None, :], mask=ok, other=0.0), mask=ok)
+
+
 # --------------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------------
@@ -101,6 +196,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
         HALF=half, SIN_SIGN=-1.0 if inverse else 1.0, BLOCK_N=BLOCK_N, BLOCK_HALF=_block_half(half), num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _to_cache(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows: int, block_start: int) -> torch.Tensor:
+    B, H, n, D = q.shape
+    HKV, S = cache_k.shape[1], cache_k.shape[2]
+    block = torch.empty((B, H, block_rows, D), device=q.device, dtype=q.dtype)
+    if B == 0 or H + HKV == 0:
+        return block
+    cos = cos if cos.is_contiguous() else cos.contiguous()
+    sin = sin if sin.is_contiguous() else sin.contiguous()
+    half = D // 2
+    grid = (B * (H + HKV), triton.cdiv(max(block_rows, n, 1), CACHE_BLOCK_T))
+    _rope_cache_kernel[grid](
+        q, k, v, cos, sin, pos, cache_k, cache_v, block, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        H, HKV, n, block_rows, S, cos.shape[0], block_start,
+        HALF=half, BLOCK_T=CACHE_BLOCK_T, BLOCK_HALF=_block_half(half), num_warps=4,
+    )  # fmt: skip
+    return block
 
 
 @functools.cache
@@ -130,6 +243,27 @@ def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
 @_rope_op.register_fake
 def _(x, cos, sin, inverse):
     return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("kernel_lib::rope_to_cache", mutates_args=("cache_k", "cache_v"))
+def _rope_to_cache_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    block_rows: int,
+    block_start: int,
+) -> torch.Tensor:
+    return _to_cache(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows, block_start)
+
+
+@_rope_to_cache_op.register_fake
+def _(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows, block_start):
+    return q.new_empty(q.shape[0], q.shape[1], block_rows, q.shape[3])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,3 +312,96 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if not needs_grad and not torch.compiler.is_compiling():
         return _rotate(x, cos, sin, inverse=False)  # eager inference: no autograd node to build
     return _Rope.apply(x, cos, sin)
+
+
+def _cache_place(pos, q: torch.Tensor, n: int, block_rows, block_start) -> tuple[torch.Tensor, int, int]:
+    """pos as a (1,) int64 tensor on q's device, and the block's rows and start with their defaults filled in."""
+    if isinstance(pos, int) and not isinstance(pos, bool):
+        block_start = pos if block_start is None else block_start
+        pos = torch.tensor([pos], dtype=torch.int64, device=q.device)
+    elif isinstance(pos, torch.Tensor):
+        if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
+            raise ValueError(
+                f"pos must be a Python int or one int64 element on q's device ({q.device}), got {pos.dtype} "
+                f"{tuple(pos.shape)} on {pos.device}"
+            )
+        if block_start is None:
+            raise ValueError("with a tensor pos, give block_start (a Python int): the position of the block's row 0")
+    else:
+        raise ValueError(f"pos must be a Python int or a one-element int64 tensor, got {type(pos).__name__}")
+    block_rows = n if block_rows is None else block_rows
+    if not isinstance(block_rows, int) or block_rows < n:
+        raise ValueError(f"block_rows must be an int >= the step's {n} tokens, got {block_rows!r}")
+    if not isinstance(block_start, int):
+        raise ValueError(f"block_start must be a Python int, got {type(block_start).__name__}")
+    return pos.reshape(1), block_rows, block_start
+
+
+def rope_to_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    block_rows: int | None = None,
+    block_start: int | None = None,
+) -> torch.Tensor:
+    """A decoding step's RoPE and KV-cache write in one kernel (the module docstring's last part); no autograd.
+
+    q (B, H, n, D), k and v (B, Hkv, n, D): the step's projections (any strides with unit stride along D, e.g.
+    views of a fused qkv output); cos, sin (L, D/2): the whole tables, indexed by position; pos: the first
+    token's position, a Python int or a one-element int64 tensor (token t sits at pos + t); cache_k, cache_v
+    (B, Hkv, S, D) contiguous, written in place at positions pos..pos+n-1. Returns the rotated queries in a
+    (B, H, block_rows, D) block, token t at row pos + t - block_start, rows holding no token zero. Defaults:
+    block_rows n, block_start pos (then pos must be an int), i.e. the rotated q itself.
+
+    Positions outside the cache or the tables, and rows outside the block, are skipped, not written: with an
+    int pos they are refused here; with a tensor pos (read on the device only) the caller guarantees them.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name, ndim=4)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along its last dim (head_dim), got strides {t.stride()}")
+    B, H, n, D = q.shape
+    if D % 2 or D == 0:
+        raise ValueError(f"the head dim (q's last dim) must be even and positive, got {D}")
+    HKV = k.shape[1]
+    for name, t in (("k", k), ("v", v)):
+        check_shape(t, name, (B, HKV, n, D))
+    check_tensor(cos, "cos", ndim=2)
+    check_tensor(sin, "sin", ndim=2)
+    if cos.shape[1] != D // 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be (L, {D // 2}) tables, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
+        check_tensor(c, name, ndim=4)
+        if c.dtype != q.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(
+                f"q, k, v and the caches must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}, "
+                f"{name} {c.dtype}"
+            )
+        if c.shape[0] != B or c.shape[1] != HKV or c.shape[3] != D or not c.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous (B={B}, Hkv={HKV}, S, D={D}) cache, got {tuple(c.shape)}")
+    if cache_v.shape != cache_k.shape:
+        raise ValueError(f"cache_k and cache_v must have one shape, got {tuple(cache_k.shape)}, {tuple(cache_v.shape)}")
+    check_same_device(q=q, k=k, v=v, cos=cos, sin=sin, cache_k=cache_k, cache_v=cache_v)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cos, sin)):
+        raise ValueError("rope_to_cache is for inference (no autograd): call it under torch.no_grad()")
+    host_pos = pos if isinstance(pos, int) and not isinstance(pos, bool) else None
+    pos, block_rows, block_start = _cache_place(pos, q, n, block_rows, block_start)
+    if host_pos is not None:
+        S, L = cache_k.shape[2], cos.shape[0]
+        if host_pos < 0 or host_pos + n > min(S, L):
+            raise ValueError(
+                f"positions [{host_pos}, {host_pos + n}) do not fit the cache ({S} positions) and tables ({L} rows)"
+            )
+        if host_pos - block_start < 0 or host_pos + n - block_start > block_rows:
+            raise ValueError(
+                f"tokens at positions [{host_pos}, {host_pos + n}) fall outside the block of {block_rows} rows "
+                f"starting at position {block_start}"
+            )
+    if not use_triton(q, op="rope_to_cache"):  # CPU without the interpreter: the reference
+        return rope_to_cache_ref(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows, block_start)
+    return launch_or_op(_to_cache, _rope_to_cache_op)(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows, block_start)

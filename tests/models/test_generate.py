@@ -150,7 +150,10 @@ def test_flash_over_cache_hides_the_stale_tail(M, positions):
     v = torch.randn(B, H, M, D, dtype=torch.bfloat16)
     stale = positions[-1] + 1
     k[:, :, stale:], v[:, :, stale:] = 30.0, 1e4  # huge scores and values: one leaked key would show
-    out = flash_over_cache(q, k, v, positions, exact=False)
+    R = min(M, gpt_module.DECODE_BUCKET)
+    rows = positions - (M - R)  # each query's row in the block, as forward_step works it out
+    block = q.new_zeros(B, H, R, D).index_copy_(2, rows, q)  # what rope_to_cache writes, here without rotation
+    out = flash_over_cache(block, k, v, rows)
     n = int(stale)  # the reference: causal attention over the valid prefix alone
     want = attention_ref(q.double(), k[:, :, :n].double(), v[:, :, :n].double(), causal=True)
     base = attention_ref(q, k[:, :, :n], v[:, :, :n], causal=True)
