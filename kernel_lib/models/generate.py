@@ -140,6 +140,15 @@ class GraphedDecoder:
         return logits
 
     @torch.no_grad()
+    def step(self, pos: int) -> torch.Tensor:
+        """One decode step alone, as ``generate`` runs it: the logits (batch, 1, V) of the current token (the last
+        one generated) at position ``pos``, its key and value written into the cache; for profiling a step."""
+        if not isinstance(pos, int) or not 0 <= pos < self.cache.max_len:
+            raise ValueError(f"pos must be an int in [0, {self.cache.max_len}), got {pos!r}")
+        self.pos.fill_(pos)
+        return self._step(kv_bucket(pos + 1, self.cache.max_len))
+
+    @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """The prompt (batch, T0) followed by ``max_new_tokens`` greedy tokens, (batch, T0 + max_new_tokens)."""
         B, T0 = _check_prompt(prompt, max_new_tokens, self.cache.max_len)

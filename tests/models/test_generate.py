@@ -183,6 +183,20 @@ def test_graphed_decoder_on_cpu_matches_greedy(small_buckets, impl, dtype, kv_he
     assert torch.equal(decoder.generate(second, 8), greedy(model, second, 8))
 
 
+def test_graphed_decoder_step_is_a_step_of_generate(small_buckets):
+    """``step(pos)`` repeats the step generate ran last: the same token at the same position gives its logits."""
+    model = _model("native")
+    decoder = GraphedDecoder(model, batch=2, max_len=24)
+    out = decoder.generate(_prompt(model.config), 12)  # the last step fed the token at T0 + 10
+    pos = T0 + 10
+    logits = decoder.step(pos).clone()
+    cache = model.init_cache(2, 24)
+    want = model.forward_step(out[:, : pos + 1], cache, 0)[:, -1:]
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"pos must be an int in \[0, 24\)"):
+        decoder.step(24)
+
+
 @pytest.mark.parametrize("sizes", [pytest.param(TINY, id="mha"), pytest.param(GQA, id="gqa")])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_hf_llama_has_the_same_logits_and_greedy_tokens(impl, sizes):
