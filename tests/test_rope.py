@@ -174,6 +174,26 @@ def test_rope_to_cache_rotates_bit_for_bit_as_rope(device):
     assert torch.equal(cache_v[:, :, keep], before_v[:, :, keep])
 
 
+def test_rope_to_cache_skips_a_tensor_position_past_the_cache(device):
+    """A tensor pos is not read on the host, so nothing refuses pos + n > S: the kernel must skip the tokens past
+    the cache rather than write beyond it (the caller's guarantee broken, memory still intact)."""
+    B, H, HKV, n, D, S = 1, 2, 2, 2, 16, 8
+    q, k, v, cache_k, cache_v = _step_inputs(device, torch.float32, B, H, HKV, n, D, S)
+    backing_k = torch.randn(2 * S * HKV * D, device=device)  # the cache is the front half of a larger buffer
+    cache_k = backing_k[: S * HKV * D].view(B, HKV, S, D)
+    after = backing_k[S * HKV * D :].clone()
+    cos, sin = rope_cos_sin(16, D, device=device)
+    pos = torch.tensor([S - 1], device=device)  # token 1 would land at position S, one past the end
+    block = rope_to_cache(q, k, v, cos, sin, pos, cache_k, cache_v, 4, S - 2)
+    assert torch.equal(backing_k[S * HKV * D :], after)
+    torch.testing.assert_close(cache_k[:, :, S - 1], rope_ref(k, cos[S - 1 : S + 1], sin[S - 1 : S + 1])[:, :, 0])
+    assert torch.equal(cache_v[:, :, S - 1], v[:, :, 0])
+    # the block starts at position S - 2: tokens in rows 1 and 2, rows 0 and 3 zero; the tables reach position S,
+    # so token 1's query is rotated as usual, only its cache write is skipped
+    assert block.shape == (B, H, 4, D) and not block[:, :, 0].any() and not block[:, :, 3].any()
+    torch.testing.assert_close(block[:, :, 1:3], rope_ref(q, cos[S - 1 : S + 1], sin[S - 1 : S + 1]))
+
+
 def test_rope_to_cache_opcheck(device):
     q, k, v, cache_k, cache_v = _step_inputs(device, torch.float32, 1, 2, 2, 1, 16, 8)
     cos, sin = rope_cos_sin(8, 16, device=device)
@@ -191,6 +211,7 @@ def test_rope_to_cache_opcheck(device):
         (dict(block_rows=4, block_start=4), ValueError, "fall outside the block"),
         (dict(cache_k=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), TypeError, "share one dtype"),
         (dict(cache_v=torch.zeros(1, 2, 16, 8).transpose(2, 3)), ValueError, "cache_v must be a contiguous"),
+        (dict(cache_v=None), ValueError, "two tensors, not one"),  # cache_v given as cache_k itself
         (dict(cos=torch.ones(8, 16)), ValueError, r"cos and sin must be \(L, 8\) tables"),
         (dict(k=torch.zeros(1, 2, 2, 32)[..., ::2]), ValueError, "k must have unit stride"),
         (dict(v=torch.zeros(1, 1, 2, 16)), ValueError, r"v must have shape \(1, 2, 2, 16\)"),
@@ -204,6 +225,8 @@ def test_rope_to_cache_bad_input_is_named(change, error, words):
         cache_v=torch.zeros(1, 2, 8, 16),
     )  # fmt: skip
     args.update(change)
+    if args["cache_v"] is None:
+        args["cache_v"] = args["cache_k"]
     with pytest.raises(error, match=words):
         rope_to_cache(**args)
 

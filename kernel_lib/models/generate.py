@@ -141,9 +141,9 @@ class GraphedDecoder:
 
     @torch.no_grad()
     def step(self, pos: int) -> torch.Tensor:
-        """One decode step alone, as ``generate`` runs it: the logits (batch, 1, V) of the current token (the last
-        one generated) at position ``pos``, its key and value written into the cache; for profiling a step."""
-        if not isinstance(pos, int) or not 0 <= pos < self.cache.max_len:
+        """One decode step alone, as ``generate`` runs it: the logits (batch, 1, V) of the static token (the last
+        one a step was fed) at position ``pos``, its key and value written into the cache there; for profiling."""
+        if not isinstance(pos, int) or isinstance(pos, bool) or not 0 <= pos < self.cache.max_len:
             raise ValueError(f"pos must be an int in [0, {self.cache.max_len}), got {pos!r}")
         self.pos.fill_(pos)
         return self._step(kv_bucket(pos + 1, self.cache.max_len))

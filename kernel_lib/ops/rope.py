@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_same_device, check_shape, check_tensor, launch_or_op, use_triton
+from ._utils import check_same_device, check_same_dtype, check_shape, check_tensor, launch_or_op, use_triton
 
 __all__ = ["rope", "rope_ref", "rope_cos_sin", "rope_to_cache", "rope_to_cache_ref"]
 
@@ -141,13 +141,13 @@ def _rope_cache_kernel(
     head = tl.program_id(0)
     b, h = (head // (H + HKV)).to(tl.int64), head % (H + HKV)
     p0 = tl.load(pos_ptr)
-    r = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # row * stride passes 2**31 in long prefills
     i = tl.arange(0, BLOCK_HALF)
     col = i[None, :] < HALF
     if h < H:  # a query head: every row of the block is written, rows without a token as zeros
         t = r + (BLOCK_START - p0)  # the token that row r holds, if 0 <= t < N
         pos = p0 + t
-        ok = ((r < R) & (t >= 0) & (t < N) & (pos < L))[:, None] & col
+        ok = ((r < R) & (t >= 0) & (t < N) & (pos >= 0) & (pos < L))[:, None] & col
         q_src = q_ptr + b * stride_qb + h * stride_qh + t[:, None] * stride_qn
         x1 = tl.load(q_src + i[None, :], mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(q_src + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -358,8 +358,9 @@ def rope_to_cache(
     (B, H, block_rows, D) block, token t at row pos + t - block_start, rows holding no token zero. Defaults:
     block_rows n, block_start pos (then pos must be an int), i.e. the rotated q itself.
 
-    Positions outside the cache or the tables, and rows outside the block, are skipped, not written: with an
-    int pos they are refused here; with a tensor pos (read on the device only) the caller guarantees them.
+    Positions outside the cache or the tables, and rows outside the block: with an int pos they are refused here;
+    a tensor pos is read on the device only, so the caller guarantees them (the kernel skips such tokens rather
+    than write out of bounds; the reference, made of index ops, raises).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, ndim=4)
@@ -377,15 +378,13 @@ def rope_to_cache(
         raise ValueError(f"cos and sin must be (L, {D // 2}) tables, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
         check_tensor(c, name, ndim=4)
-        if c.dtype != q.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
-            raise TypeError(
-                f"q, k, v and the caches must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}, "
-                f"{name} {c.dtype}"
-            )
         if c.shape[0] != B or c.shape[1] != HKV or c.shape[3] != D or not c.is_contiguous():
             raise ValueError(f"{name} must be a contiguous (B={B}, Hkv={HKV}, S, D={D}) cache, got {tuple(c.shape)}")
     if cache_v.shape != cache_k.shape:
         raise ValueError(f"cache_k and cache_v must have one shape, got {tuple(cache_k.shape)}, {tuple(cache_v.shape)}")
+    if cache_k.numel() and cache_k.data_ptr() == cache_v.data_ptr():
+        raise ValueError("cache_k and cache_v must be two tensors, not one (each is written in place)")
+    check_same_dtype(q=q, k=k, v=v, cache_k=cache_k, cache_v=cache_v)
     check_same_device(q=q, k=k, v=v, cos=cos, sin=sin, cache_k=cache_k, cache_v=cache_v)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cos, sin)):
         raise ValueError("rope_to_cache is for inference (no autograd): call it under torch.no_grad()")

@@ -183,15 +183,19 @@ def test_graphed_decoder_on_cpu_matches_greedy(small_buckets, impl, dtype, kv_he
     assert torch.equal(decoder.generate(second, 8), greedy(model, second, 8))
 
 
-def test_graphed_decoder_step_is_a_step_of_generate(small_buckets):
-    """``step(pos)`` repeats the step generate ran last: the same token at the same position gives its logits."""
-    model = _model("native")
+@pytest.mark.parametrize("impl, dtype", [("native", torch.float32), ("kernel_lib", torch.bfloat16)], ids=str)
+def test_graphed_decoder_step_is_a_decode_step(small_buckets, impl, dtype):
+    """``step(pos)`` feeds the static token (the last one generate fed, out[:, T0 + 10]) at position pos: here
+    one before the position generate last used, so that a step ignoring pos would be caught. Its logits are those
+    of forward_step of that token after a prefill of the pos tokens before it."""
+    model = _model(impl, dtype, **(ONE_LAYER if dtype == torch.bfloat16 else TINY))
     decoder = GraphedDecoder(model, batch=2, max_len=24)
-    out = decoder.generate(_prompt(model.config), 12)  # the last step fed the token at T0 + 10
-    pos = T0 + 10
-    logits = decoder.step(pos).clone()
+    out = decoder.generate(_prompt(model.config), 12)  # the last step fed out[:, T0 + 10] at position T0 + 10
+    pos = T0 + 5
+    logits = decoder.step(pos).clone()  # the cache before pos holds out's tokens: generate wrote them
     cache = model.init_cache(2, 24)
-    want = model.forward_step(out[:, : pos + 1], cache, 0)[:, -1:]
+    model.forward_step(out[:, :pos], cache, 0)
+    want = model.forward_step(out[:, T0 + 10 : T0 + 11], cache, pos, kv_bucket(pos + 1, 24))
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"pos must be an int in \[0, 24\)"):
         decoder.step(24)
