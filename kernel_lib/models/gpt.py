@@ -433,12 +433,18 @@ class NativeAttention(nn.Module):
         self.o = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
         _rope_buffers(self, config, device)
 
+    def _heads(self, x):
+        """q (B, H, T, hd) and k, v (B, Hkv, T, hd) of x (B, T, C): strided views of one qkv matmul, no copy."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._heads(x)  # (B, H, T, hd), (B, Hkv, T, hd) twice
         q, k = apply_rope(q, self.cos[:T], self.sin[:T]), apply_rope(k, self.cos[:T], self.sin[:T])
         y = _sdpa(q, k, v, is_causal=True)  # (B, H, T, hd); no T x T tensor on GPUs
         return self.o(y.transpose(1, 2).reshape(B, T, C))
@@ -448,10 +454,7 @@ class NativeAttention(nn.Module):
         into the cache, attention over the first kv_len cached keys with a boolean mask."""
         positions, kv_len = place.positions, place.kv_len
         B, n, C = x.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
-        k = k.view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
-        v = v.view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._heads(x)  # (B, H, n, hd), (B, Hkv, n, hd) twice
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)  # (n, hd/2), no sync
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = _write_cache(cache_k, cache_v, k, v, positions, kv_len)  # (B, Hkv, kv_len, hd)
@@ -512,10 +515,7 @@ class KernelAttention(NativeAttention):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd), strided views: no copy
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._heads(x)  # (B, H, T, hd), (B, Hkv, T, hd) twice
         q, k = rope(q, self.cos[:T], self.sin[:T]), rope(k, self.cos[:T], self.sin[:T])
         if q.dtype in (torch.float16, torch.bfloat16):
             y = flash_attention(q, k, v, causal=True)
@@ -529,10 +529,7 @@ class KernelAttention(NativeAttention):
         if x.dtype not in (torch.float16, torch.bfloat16):
             return super().step(x, cache_k, cache_v, place)
         B, n, C = x.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(B, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd), strided views: no copy
-        k = k.view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
-        v = v.view(B, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._heads(x)  # (B, H, n, hd), (B, Hkv, n, hd) twice
         block = rope_to_cache(
             q, k, v, self.cos, self.sin, place.positions[:1], cache_k, cache_v, place.block_rows, place.block_start
         )  # (B, H, R, hd)
