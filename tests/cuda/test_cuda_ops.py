@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kernel_lib import bench, cuda
+from kernel_lib import bench, cuda, validate
 from kernel_lib.ops.norms import rms_norm_ref
 from kernel_lib.ops.softmax import softmax_ref
 from tests._checks import check_compiled_matches_eager, check_forward_backward, rows_input
@@ -137,6 +137,10 @@ WIDE = [
     pytest.param(128, torch.bfloat16, id="D128-bf16"),  # the tma step on a narrow row: a cluster of one block
     pytest.param(4096, torch.bfloat16, id="D4096-bf16"),
     pytest.param(65536, torch.bfloat16, id="D65536-bf16"),  # past one block's registers: clusters
+    # slices of exactly 48 KiB (RMSNorm: 2 of them; softmax: 16): the static shared memory pushes the block past the
+    # default limit, which the launcher must raise first (it did not, and the process crashed)
+    pytest.param(49152, torch.bfloat16, id="D49152-bf16"),
+    pytest.param(393216, torch.bfloat16, id="D393216-bf16"),
     pytest.param(100008, torch.bfloat16, id="D100008-bf16"),  # a multiple of the vector, not of a slice: shorter last
     pytest.param(262144, torch.bfloat16, id="D262144-bf16"),  # 8 and 16 blocks a cluster (16: non-portable size)
     pytest.param(262144, torch.float32, id="D262144-fp32"),  # 1 MiB rows: softmax's 16 slices twice its preferred size
@@ -201,12 +205,43 @@ def test_tma_step_runs_its_own_kernel_where_it_can(layout, takes_tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9, reason="the TMA needs sm_90+")
+@pytest.mark.parametrize(
+    "D, dtype, rows",
+    [
+        pytest.param(4096, torch.bfloat16, 20000, id="D4096-bf16"),  # clusters of one block, slices in registers
+        pytest.param(65536, torch.bfloat16, 1000, id="D65536-bf16"),  # clusters of 4 (softmax) and 8 (RMSNorm)
+        pytest.param(65536, torch.float32, 1000, id="D65536-fp32"),  # softmax's two-exp form
+        pytest.param(262144, torch.float32, 200, id="D262144-fp32"),  # RMSNorm slices too wide to hold: read in place
+        pytest.param(1048576, torch.bfloat16, 60, id="D1048576-bf16"),  # one buffer a block (two do not fit)
+    ],
+)
+def test_tma_forward_over_many_rows(D, dtype, rows):
+    # more rows than the clusters that run at once: each persistent cluster takes several, so its row buffers and
+    # the exchange's two slots are reused and their barriers change phase (the 8-row tests give a cluster one row)
+    x = torch.randn(rows, D, device="cuda", dtype=dtype)
+    w = torch.rand(D, device="cuda", dtype=dtype) + 0.5
+    atol = {"rms_norm": 1e-2 if dtype == torch.bfloat16 else 1e-6, "softmax": 1e-6}
+    cases = [
+        ("rms_norm", lambda v: cuda.rms_norm(x, w, 1e-6, v), rms_norm_ref(x.double(), w.double(), 1e-6),
+         rms_norm_ref(x, w, 1e-6)),
+        ("softmax", lambda v: cuda.softmax(x, v), softmax_ref(x.double()), torch.softmax(x, -1)),
+    ]  # fmt: skip
+    for op, call, ref, pytorch in cases:
+        for variant in ("tma", "best"):
+            result = validate.check(call(variant), ref, pytorch, name=f"{op} {variant} D={D}", atol=atol[op])
+            assert result.ok, result
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "D, dtype, layout",
     [
         pytest.param(8, torch.bfloat16, "contiguous", id="D8-bf16"),  # one vector a row: a block of one warp
         pytest.param(1024, torch.bfloat16, "contiguous", id="D1024-bf16"),
         pytest.param(4096, torch.bfloat16, "stride 8", id="D4096-bf16-stride8"),  # strided, still 16-byte aligned
+        # stages of exactly 48 KiB: with the kernel's static bytes past the default limit, which must be raised first
+        pytest.param(6144, torch.bfloat16, "contiguous", id="D6144-bf16"),
         pytest.param(16384, torch.bfloat16, "contiguous", id="D16384-bf16"),  # 2 vectors a thread, 128 KiB of stages
         pytest.param(4096, torch.float32, "contiguous", id="D4096-fp32"),
         pytest.param(16384, torch.float32, "contiguous", id="D16384-fp32"),  # stages past 225 KiB: registers path
@@ -255,11 +290,12 @@ def test_rms_norm_backward_tma_runs_its_own_kernel_where_it_can(x_layout, dy_lay
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["registers", "online", "tma", "best"])
 def test_softmax_rows_with_negative_infinity(variant):
-    # 65,536 columns: the cluster steps split a row over 4 blocks, so whole slices can be -inf
-    x = torch.randn(4, 65536, device="cuda", dtype=torch.bfloat16)
-    x[0, :32768] = -torch.inf  # the first slices hold nothing but -inf
-    x[1, ::2] = -torch.inf  # every other element
-    x[2] = -torch.inf  # the whole row: NaN, as in PyTorch
+    # 65,536 columns: the cluster steps split a row over 4 blocks, so whole slices can be -inf; 4 rows of each kind
+    # below, 1,000 in all, so the persistent clusters of step 6 meet them in every buffer and slot
+    x = torch.randn(1000, 65536, device="cuda", dtype=torch.bfloat16)
+    x[0::4, :32768] = -torch.inf  # the first slices hold nothing but -inf
+    x[1::4, ::2] = -torch.inf  # every other element
+    x[2::4] = -torch.inf  # the whole row: NaN, as in PyTorch
     got, want = cuda.softmax(x, variant).float(), torch.softmax(x.float(), -1)
     assert torch.equal(got.isnan(), want.isnan()), variant
     torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), atol=1e-6, rtol=2.0**-7)

@@ -30,15 +30,19 @@
 //                  max grows, combines them over the block, then one pass writes y: two reads of x at any width
 //                  (the second from L2 when the rows in flight fit in it). RMSNorm's kOnline is step 3, already
 //                  one statistics pass and one output pass.
-//  6 tma           Hopper (sm_90+): a row held in shared memory instead of registers, split over a cluster of 1-16
-//                  blocks; each block's slice (64 KiB for RMSNorm, 32 KiB for softmax, so 3 or 6 blocks fit an SM)
-//                  arrives by one bulk copy of the Tensor Memory Accelerator (cp.async.bulk, completion counted by
-//                  an mbarrier): one instruction instead of a load per 16 bytes, and no registers held while it is in
-//                  flight. The statistics and the output then read shared memory; partials cross the cluster through
-//                  DSMEM as in step 4. x is read once. Rows wider than 16 such slices take larger ones, up to 225 KiB
-//                  (one block an SM; not measured: the sweeps stop at 262,144 elements). Needs 16-byte aligned rows
-//                  (start and row stride) whose byte width is a multiple of 16 (the bulk copy's rules); otherwise,
-//                  or without sm_90, kTma runs step 4's path.
+//  6 tma           Hopper (sm_90+): persistent clusters of 1-16 blocks, as many as run at once, cluster g taking
+//                  rows g, g + G, ...; each block owns a slice of every row it takes (16 KiB for RMSNorm, 32 KiB
+//                  for softmax). The slices arrive by bulk copies of the Tensor Memory Accelerator (cp.async.bulk,
+//                  completion counted by an mbarrier), one instruction instead of a load per 16 bytes, into two
+//                  shared-memory buffers: the next row's copy is in flight while this one is used. Each thread
+//                  copies its vectors of the slice into registers (RMSNorm 4, softmax 8), which frees the buffer for
+//                  the next copy at once; the partials cross the cluster by st.async into every block's shared
+//                  memory, counted on that block's mbarrier, with no cluster barrier per row. Softmax in bf16/fp16
+//                  computes one exponential per element (against the thread's own max, rescaled once). x is read
+//                  once. Slices too wide for 512 threads' registers (rows past 16 x 16,384 elements for RMSNorm,
+//                  16 x 32,768 for softmax, in bf16) are read from shared memory in each pass; rows wider than 16
+//                  x 225 KiB take step 4's path. Needs 16-byte aligned rows (start and row stride) whose byte width
+//                  is a multiple of 16 (the bulk copy's rules); otherwise, or without sm_90, kTma runs step 4's path.
 //
 // kBest, by width (in elements, the same for every dtype):
 //   D <= 32,768                          registers, one block per row (1-4 rows per block below 128 threads a row).
@@ -52,9 +56,10 @@
 // at best) is unavoidable. Measured on an H100 (benchmarks/NOTES.md): on 2026-11-24, at 32,768 one 1024-thread block
 // beat a cluster of two 16,384-element blocks (RMSNorm 96.7% of the copy against 84.0%), and at 262,144 the softmax
 // registers cluster (8 blocks of 32,768) fell below the online kernel (58.8% against 62.6%); on 2026-11-25, from
-// 65,536 to 262,144, the registers clusters read 68-80% (RMSNorm) and 67-70% (softmax, to 131,072) where the tma step
-// read 89-95% and 80-87% (five runs). The thresholds count elements, not bytes, for every dtype: float32 has 4 elements a vector
-// instead of 8, so VPT doubles and the budget of 32 floats a thread is the same.
+// 65,536 to 262,144, the registers clusters read 65-80% (RMSNorm) and 58-70% (softmax) where the tma step read
+// 89-95% and 80-87% in its first form (one row per cluster, five runs) and 91-94% and 88-89% in this file's
+// persistent, pipelined form (two runs). The thresholds count elements, not bytes, for every dtype: float32 has 4
+// elements a vector instead of 8, so VPT doubles and the budget of 32 floats a thread is the same.
 //
 // Backward. RMSNorm, D <= 16,384: persistent blocks, one float32 dweight partial row each, one read of dy and x. With
 // kTma (and kBest from 1,024 elements) on Hopper, for rows the bulk copy can take (as step 6's) and whose two stages
@@ -117,11 +122,15 @@ constexpr int kOneBlockMaxD = 32768;      // widest row one block holds in regis
 constexpr int kClusterSlice = 16384;      // a cluster block's preferred slice (<= 512 threads: 2 blocks per SM)
 constexpr int kBestSoftmaxClusterMaxD = 131072;  // kBest softmax: wider rows take the online kernel (measured)
 constexpr int kClusterMax = 8;            // portable cluster size: clusters reach 8 x 32,768 = 262,144 elements
-constexpr int kTmaNormSliceBytes = 65536;    // step 6's slice a block, RMSNorm: 3 blocks of 512 threads an SM (measured)
-constexpr int kTmaSoftmaxSliceBytes = 32768;  // softmax: 6 blocks of 256 threads an SM; more work between the copies
+constexpr int kTmaNormSliceBytes = 16384;    // step 6's slice a block, RMSNorm (measured: 16-64 KiB, 2026-11-25)
+constexpr int kTmaSoftmaxSliceBytes = 32768;  // softmax: more work a row, larger slices (measured: 16-64 KiB)
+constexpr int kTmaNormVectors = 4;           // 128-bit vectors a thread holds of its slice, RMSNorm (w's too)
+constexpr int kTmaSoftmaxVectors = 8;        // softmax (measured: 4 and 8)
+constexpr int kTmaStages = 2;                // row buffers a block, one in use, one in flight (3 and 4: slower)
+constexpr int kTmaMaxThreads = 512;          // a step-6 block, at most (its launch bound: up to 128 registers)
 constexpr int kTmaMaxSliceBytes = 225 * 1024;  // a block's dynamic shared memory on Hopper (227 KiB, less the static)
 constexpr int kTmaMaxCluster = 16;         // the non-portable cluster size Hopper allows (8 is portable)
-constexpr int kTmaVectorsPerThread = 8;    // 128-bit vectors of the slice a thread handles (measured: 4-16)
+constexpr int kTmaVectorsPerThread = 8;    // slices too wide to hold: vectors a thread visits in each pass
 constexpr int kBwdRegMaxD = 16384;        // backward registers paths: RMSNorm 1024 x 16 floats, softmax 512 x 32
 constexpr int kNormBwdMaxValues = 16;     // RMSNorm backward: dy and x held, 16 floats each per thread
 constexpr int kBwdTmaStages = 2;          // RMSNorm TMA backward: rows a block has in flight or ready (3: no faster)
@@ -585,23 +594,214 @@ __device__ __forceinline__ T* tma_slice_buffer() {
   return reinterpret_cast<T*>(tma_smem);
 }
 
-// A step-6 block's slice of its row, columns [begin, end) of row blockIdx.x / C, copied into tma_slice_buffer<T>().
-template <typename T>
-__device__ __forceinline__ ClusterSlice tma_load_slice(const cg::cluster_group& cluster, const Rows<T>& x, int D,
-                                                       int slice) {
-  __shared__ uint64_t bar;  // one per kernel (a __shared__ variable of a device function is static)
+// Step 6's exchange. The cluster address of `p` (this block's shared memory) in block `rank`, and one float2 stored
+// there by st.async, counted on that block's mbarrier (complete_tx): the receiver waits on its own barrier. A cluster
+// barrier instead (cluster.sync) would make every thread's earlier stores of y complete first (its arrive releases
+// them), once per row.
+__device__ __forceinline__ uint32_t cluster_addr(const void* p, int rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(smem_addr(p)), "r"(rank));
+  return out;
+}
+
+__device__ __forceinline__ void st_async_float2(uint32_t dst, float2 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(dst),
+               "f"(v.x), "f"(v.y), "r"(bar)
+               : "memory");
+}
+
+// Step 6's shared memory besides the stages: the block reduction's scratch, the rows' bulk-copy barriers, and the
+// exchange's two slots (row k uses slot k & 1: part[slot][q] holds block q's partial, pbar[slot] counts them).
+struct TmaShared {
+  float red[32];
+  float2 part[2][kTmaMaxCluster];
+  uint64_t bar[kTmaStages];
+  uint64_t pbar[2];
+};
+
+// Every block of the cluster sends `mine` to every block (thread q sends to block q) and waits until all C partials
+// of row k have arrived in its part[k & 1]. A slot is reused two rows later: a block sends row k + 2 only after it
+// has received row k + 1 from every block, which each sends after it has read row k's partials.
+__device__ __forceinline__ const float2* cluster_exchange(TmaShared& sh, float2 mine, int C, int rank, int k) {
+  const int slot = k & 1;
+  if (threadIdx.x == 0) mbarrier_arrive_expect(&sh.pbar[slot], uint32_t(C * sizeof(float2)));
+  if (int(threadIdx.x) < C)
+    st_async_float2(cluster_addr(&sh.part[slot][rank], threadIdx.x), mine, cluster_addr(&sh.pbar[slot], threadIdx.x));
+  mbarrier_wait(&sh.pbar[slot], (k >> 1) & 1);  // the slot's (k >> 1)-th use
+  return sh.part[slot];
+}
+
+// Step 6, both ops (NORM: RMSNorm, else softmax). Persistent clusters: cluster g of G takes rows g, g + G, ...; block
+// `rank` of C owns columns [rank * slice, ...) of each. Its row slices arrive by bulk copies into `stages` buffers of
+// dynamic shared memory, the next rows' copies in flight while one is used. HOLD (the slice fits the block's
+// registers, VPT 128-bit vectors a thread): each thread copies its vectors into registers, and the buffer is refilled
+// at once; else every pass reads the buffer, refilled after y is written. Partials cross the cluster by
+// cluster_exchange. Softmax in bf16/fp16 with HOLD computes one exp per element: e = exp(x - m_t) against the
+// thread's own max m_t, and y = e * exp(m_t - M) / S. The two-exp form exp(x - M) / S is kept for float32, whose
+// outputs keep 24 bits; in bf16 it read 67% of the copy at 262,144 columns where one exp reads 86% (H100, 2026-11-25).
+template <typename T, int VPT, bool HOLD, bool NORM>
+__device__ __forceinline__ void tma_rows(const Rows<T>& x, const T* w, T* y, float* rstd, int64_t rows, int D,
+                                         float inv_D, float eps, int slice, int stages) {
+  constexpr int N = kVec<T>;
+  constexpr bool kOneExp = HOLD && !NORM && sizeof(T) == 2;
+  __shared__ TmaShared sh;
+  const cg::cluster_group cluster = cg::this_cluster();
   const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
-  const int begin = rank * slice;
-  const ClusterSlice s{C, rank, blockIdx.x / C, begin, min(D, begin + slice)};
+  const int64_t G = gridDim.x / C, g = blockIdx.x / C;
+  const int begin = rank * slice, n = min(D, begin + slice) - begin;  // n: a multiple of N (the host's rule)
+  const uint32_t bytes = uint32_t(n) * sizeof(T);
+  T* const buf = tma_slice_buffer<T>();
+  const auto fetch = [&](int64_t row, int s) {  // one thread: row's slice into buffer s
+    mbarrier_arrive_expect(&sh.bar[s], bytes);
+    bulk_copy_to_shared(buf + int64_t(s) * slice, x.row(row) + begin, bytes, &sh.bar[s]);
+  };
   if (threadIdx.x == 0) {
-    const uint32_t bytes = uint32_t(s.end - begin) * sizeof(T);
-    mbarrier_init(&bar);
-    mbarrier_arrive_expect(&bar, bytes);
-    bulk_copy_to_shared(tma_slice_buffer<T>(), x.row(s.row) + begin, bytes, &bar);
+    for (int s = 0; s < stages; ++s) mbarrier_init(&sh.bar[s]);
+    mbarrier_init(&sh.pbar[0]);
+    mbarrier_init(&sh.pbar[1]);
+    for (int s = 0; s < stages && g + s * G < rows; ++s) fetch(g + s * G, s);
   }
-  __syncthreads();  // the barrier is initialized before anyone waits on it
-  mbarrier_wait(&bar, 0);
-  return s;
+  Pack<T, N> wv[NORM && HOLD ? VPT : 1];  // RMSNorm with HOLD: w's slice in registers for every row
+  if constexpr (NORM && HOLD) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = (threadIdx.x + i * blockDim.x) * N;
+      if (c < n) wv[i] = *reinterpret_cast<const Pack<T, N>*>(w + begin + c);
+    }
+  }
+  cluster.sync();  // every block's barriers initialized before any partial is sent to it
+  const float fill = NORM ? 0.f : -INFINITY;
+  int k = 0;
+  for (int64_t row = g; row < rows; row += G, ++k) {
+    const int s = k % stages;
+    mbarrier_wait(&sh.bar[s], (k / stages) & 1);  // buffer s's (k / stages)-th fill has landed
+    const T* st = buf + int64_t(s) * slice;
+    T* yr = y + row * D + begin;
+    Pack<T, N> v[HOLD ? VPT : 1];
+    if constexpr (HOLD) {
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int c = (threadIdx.x + i * blockDim.x) * N;
+        if (c < n) {
+          v[i] = *reinterpret_cast<const Pack<T, N>*>(st + c);
+        } else {
+#pragma unroll
+          for (int e = 0; e < N; ++e) v[i].v[e] = static_cast<T>(fill);
+        }
+      }
+      __syncthreads();  // every thread has its copy: refill the buffer now
+      if (threadIdx.x == 0 && row + stages * G < rows) {
+        fence_proxy_async();
+        fetch(row + stages * G, s);
+      }
+    }
+    // thread's vector i, at column c: from registers or from the buffer
+    const auto vec = [&](int i, int c) -> Pack<T, N> {
+      if constexpr (HOLD) return v[i];
+      else return *reinterpret_cast<const Pack<T, N>*>(st + c);
+    };
+    // the thread's columns: HOLD, VPT fixed vectors (unrolled); else a loop striding over the slice
+    const auto for_each = [&](auto&& f) {
+      if constexpr (HOLD) {
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) f(i, (threadIdx.x + i * blockDim.x) * N);
+      } else {
+        for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) f(0, c);
+      }
+    };
+    if constexpr (NORM) {
+      float ss = 0.f;
+      for_each([&](int i, int c) {
+        const Pack<T, N> p = vec(i, c);
+#pragma unroll
+        for (int e = 0; e < N; ++e) ss += static_cast<float>(p.v[e]) * static_cast<float>(p.v[e]);
+      });
+      const float2* part = cluster_exchange(sh, make_float2(block_reduce_warp(ss, Sum{}, sh.red), 0.f), C, rank, k);
+      float total = 0.f;
+      for (int q = 0; q < C; ++q) total += part[q].x;  // rank order: the same bits in every block
+      const float r = 1.f / sqrtf(total * inv_D + eps);
+      if (rank == 0 && threadIdx.x == 0) rstd[row] = r;
+      for_each([&](int i, int c) {
+        if (c >= n) return;
+        const Pack<T, N> p = vec(i, c);
+        Pack<T, N> wp;
+        if constexpr (HOLD) {
+          wp = wv[i];
+        } else {
+          const float4 wraw = __ldg(reinterpret_cast<const float4*>(w + begin + c));
+          wp = *reinterpret_cast<const Pack<T, N>*>(&wraw);
+        }
+        Pack<T, N> out;
+#pragma unroll
+        for (int e = 0; e < N; ++e)
+          out.v[e] = static_cast<T>(static_cast<float>(p.v[e]) * r * static_cast<float>(wp.v[e]));
+        *reinterpret_cast<Pack<T, N>*>(yr + c) = out;
+      });
+    } else if constexpr (kOneExp) {
+      float m_t = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i)
+#pragma unroll
+        for (int e = 0; e < N; ++e) m_t = fmaxf(m_t, static_cast<float>(v[i].v[e]));
+      const float shift = m_t == -INFINITY ? 0.f : m_t;  // a thread of only -inf: its e are 0, not NaN
+      float ev[VPT][N], s_t = 0.f;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i)
+#pragma unroll
+        for (int e = 0; e < N; ++e) s_t += (ev[i][e] = exp_for<T>(static_cast<float>(v[i].v[e]) - shift));
+      const float m_b = block_reduce_warp(m_t, Max{}, sh.red);
+      const float s_b = block_reduce_warp(m_t == -INFINITY ? 0.f : s_t * expf(m_t - m_b), Sum{}, sh.red);
+      const float2* part = cluster_exchange(sh, make_float2(m_b, s_b), C, rank, k);
+      float M = -INFINITY, S = 0.f;
+      for (int q = 0; q < C; ++q) M = fmaxf(M, part[q].x);
+      for (int q = 0; q < C; ++q) S += part[q].y * expf(part[q].x - M);  // a row of only -inf: NaN, as PyTorch
+      const float scale = (m_t == -INFINITY ? 0.f : expf(m_t - M)) / S;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int c = (threadIdx.x + i * blockDim.x) * N;
+        if (c >= n) continue;
+        Pack<T, N> out;
+#pragma unroll
+        for (int e = 0; e < N; ++e) out.v[e] = static_cast<T>(ev[i][e] * scale);
+        *reinterpret_cast<Pack<T, N>*>(yr + c) = out;
+      }
+    } else {
+      float m = -INFINITY;
+      for_each([&](int i, int c) {
+        const Pack<T, N> p = vec(i, c);
+#pragma unroll
+        for (int e = 0; e < N; ++e) m = fmaxf(m, static_cast<float>(p.v[e]));
+      });
+      m = block_reduce_warp(m, Max{}, sh.red);
+      const float shift = m == -INFINITY ? 0.f : m;  // a slice of only -inf: exp(-inf - 0) = 0, not NaN
+      float sum = 0.f;
+      for_each([&](int i, int c) {
+        const Pack<T, N> p = vec(i, c);
+#pragma unroll
+        for (int e = 0; e < N; ++e) sum += exp_for<T>(static_cast<float>(p.v[e]) - shift);
+      });
+      const float2* part = cluster_exchange(sh, make_float2(m, block_reduce_warp(sum, Sum{}, sh.red)), C, rank, k);
+      float M = -INFINITY, S = 0.f;
+      for (int q = 0; q < C; ++q) M = fmaxf(M, part[q].x);
+      for (int q = 0; q < C; ++q) S += part[q].y * expf(part[q].x - M);
+      const float inv = 1.f / S;
+      for_each([&](int i, int c) {
+        if (c >= n) return;
+        const Pack<T, N> p = vec(i, c);
+        Pack<T, N> out;
+#pragma unroll
+        for (int e = 0; e < N; ++e) out.v[e] = static_cast<T>(exp_for<T>(static_cast<float>(p.v[e]) - M) * inv);
+        *reinterpret_cast<Pack<T, N>*>(yr + c) = out;
+      });
+    }
+    if constexpr (!HOLD) {
+      __syncthreads();  // every thread is done with buffer s
+      if (threadIdx.x == 0 && row + stages * G < rows) {
+        fence_proxy_async();
+        fetch(row + stages * G, s);
+      }
+    }
+  }
 }
 #endif
 
@@ -698,42 +898,12 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd_cluster_kernel(const NormFw
 #endif
 }
 
-// Step 6 (sm_90+). A cluster of C blocks per row (grid: rows * C), block `rank` holding columns [rank * slice, ...) in
-// dynamic shared memory, brought by one bulk copy; thread t reads the 128-bit vectors t, t + blockDim.x, ... of it
-// (a warp reads 512 contiguous bytes: no bank conflicts). Sum of squares, then the partials across the cluster as in
-// the registers cluster kernel, then y from shared memory.
-template <typename T>
-__global__ void __launch_bounds__(1024) rms_norm_fwd_tma_kernel(const NormFwd<T> p, int slice) {
+// Step 6 (sm_90+): tma_rows. Grid: G persistent clusters of C blocks (the host's launch_tma), dynamic shared memory:
+// `stages` buffers of `slice` elements.
+template <typename T, int VPT, bool HOLD>
+__global__ void __launch_bounds__(kTmaMaxThreads) rms_norm_fwd_tma_kernel(const NormFwd<T> p, int slice, int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int N = kVec<T>;
-  __shared__ float red[32];
-  __shared__ float part;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const ClusterSlice s = tma_load_slice(cluster, p.x, p.D, slice);
-  const T* buf = tma_slice_buffer<T>();
-  const int n = s.end - s.begin;  // a multiple of N (the host's rule)
-  float ss = 0.f;
-  for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
-    const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
-#pragma unroll
-    for (int j = 0; j < N; ++j) ss += static_cast<float>(v.v[j]) * static_cast<float>(v.v[j]);
-  }
-  const float total = cluster_sum(cluster, block_reduce_warp(ss, Sum{}, red), &part);
-  const float r = 1.f / sqrtf(total * p.inv_D + p.eps);
-  if (s.rank == 0 && threadIdx.x == 0) p.rstd[s.row] = r;
-  T* yr = p.y + s.row * p.D + s.begin;
-  const T* wr = p.w + s.begin;
-  for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
-    const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
-    const float4 wraw = __ldg(reinterpret_cast<const float4*>(wr + c));
-    const Pack<T, N> wp = *reinterpret_cast<const Pack<T, N>*>(&wraw);
-    Pack<T, N> out;
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-      out.v[j] = static_cast<T>(static_cast<float>(v.v[j]) * r * static_cast<float>(wp.v[j]));
-    *reinterpret_cast<Pack<T, N>*>(yr + c) = out;
-  }
-  cluster.barrier_wait();
+  tma_rows<T, VPT, HOLD, true>(p.x, p.w, p.y, p.rstd, p.rows, p.D, p.inv_D, p.eps, slice, stages);
 #else
   __trap();
 #endif
@@ -828,46 +998,11 @@ __global__ void __launch_bounds__(1024) softmax_fwd_cluster_kernel(const Softmax
 #endif
 }
 
-// Step 6 (sm_90+; layout as rms_norm_fwd_tma_kernel). The slice's max m, then s = sum exp(x - m), each a block
-// reduction of plain floats (combining (max, sum) pairs thread by thread instead costs two accurate exp per step of
-// the reduction: 5-10% slower at 65,536-262,144 in two H100 runs); the cluster combines the blocks' (m, s) as the registers
-// cluster kernel does, and y = exp(x - M) / S is written from shared memory. A row of only -inf gives NaN, as in
-// PyTorch.
-template <typename T>
-__global__ void __launch_bounds__(1024) softmax_fwd_tma_kernel(const SoftmaxFwd<T> p, int slice) {
+// Step 6 (sm_90+): tma_rows, as rms_norm_fwd_tma_kernel.
+template <typename T, int VPT, bool HOLD>
+__global__ void __launch_bounds__(kTmaMaxThreads) softmax_fwd_tma_kernel(const SoftmaxFwd<T> p, int slice, int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int N = kVec<T>;
-  __shared__ float red[32];
-  __shared__ float2 part;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const ClusterSlice s = tma_load_slice(cluster, p.x, p.D, slice);
-  const T* buf = tma_slice_buffer<T>();
-  const int n = s.end - s.begin;
-  float m = -INFINITY;
-  for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
-    const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
-#pragma unroll
-    for (int j = 0; j < N; ++j) m = fmaxf(m, static_cast<float>(v.v[j]));
-  }
-  m = block_reduce_warp(m, Max{}, red);
-  const float shift = m == -INFINITY ? 0.f : m;  // a slice of only -inf: exp(-inf - 0) = 0, not NaN
-  float sum = 0.f;
-  for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
-    const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
-#pragma unroll
-    for (int j = 0; j < N; ++j) sum += exp_for<T>(static_cast<float>(v.v[j]) - shift);
-  }
-  const float2 MS = cluster_max_sum(cluster, m, block_reduce_warp(sum, Sum{}, red), &part);
-  const float M = MS.x, inv = 1.f / MS.y;
-  T* yr = p.y + s.row * p.D + s.begin;
-  for (int c = threadIdx.x * N; c < n; c += blockDim.x * N) {
-    const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(buf + c);
-    Pack<T, N> out;
-#pragma unroll
-    for (int j = 0; j < N; ++j) out.v[j] = static_cast<T>(exp_for<T>(static_cast<float>(v.v[j]) - M) * inv);
-    *reinterpret_cast<Pack<T, N>*>(yr + c) = out;
-  }
-  cluster.barrier_wait();
+  tma_rows<T, VPT, HOLD, false>(p.x, nullptr, p.y, nullptr, p.rows, p.D, 0.f, 0.f, slice, stages);
 #else
   __trap();
 #endif
@@ -1292,14 +1427,15 @@ cudaLaunchConfig_t cluster_launch_config(int64_t blocks, int threads, int cluste
   return cfg;
 }
 
-// Whether `kernel` can run as clusters of `cluster` blocks of `threads` with `smem` bytes of dynamic shared memory
-// here: the device supports cluster launch, the kernel's binary is for sm_90+ (not a PTX/SASS fallback whose body is
-// __trap()), and at least one such cluster fits on the GPU. Past 48 KiB it first allows the kernel kTmaMaxSliceBytes
-// of shared memory (a ceiling, always the same value: two threads launching different widths cannot undo each
-// other's setting) and, past 8 blocks, a non-portable cluster size. Nothing is enqueued, so this is fine during
-// graph capture.
+// How many clusters of `cluster` blocks of `threads` with `smem` bytes of dynamic shared memory `kernel` runs at once
+// here; 0 if none, or if it cannot run: the device lacks cluster launch, or the kernel's binary is not for sm_90+ (a
+// PTX/SASS fallback whose body is __trap()). Past 48 KiB of shared memory, the kernel's static bytes included, it
+// first allows the kernel kTmaMaxSliceBytes (a ceiling, always the same value: two threads launching different widths
+// cannot undo each other's setting); counting only the dynamic bytes, 48 KiB of them plus a few hundred static bytes
+// crashed the process with a segmentation fault on an H100 (2026-11-25) instead of returning an error. Past 8 blocks
+// it allows a non-portable cluster size. Nothing is enqueued, so this is fine during graph capture.
 template <typename Kernel>
-bool can_launch_cluster(Kernel kernel, int cluster, int threads, int smem = 0) {
+int active_clusters(Kernel kernel, int cluster, int threads, int smem = 0) {
   int dev = 0, has = 0, active = 0;
   cudaFuncAttributes attr{};
   cudaLaunchAttribute launch_attr[1];
@@ -1307,14 +1443,15 @@ bool can_launch_cluster(Kernel kernel, int cluster, int threads, int smem = 0) {
   const bool ok = cudaGetDevice(&dev) == cudaSuccess &&
                   cudaDeviceGetAttribute(&has, cudaDevAttrClusterLaunch, dev) == cudaSuccess && has &&
                   cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
-                  (smem <= 48 * 1024 || (smem <= kTmaMaxSliceBytes &&
-                                         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                              kTmaMaxSliceBytes) == cudaSuccess)) &&
+                  (smem + int(attr.sharedSizeBytes) <= 48 * 1024 ||
+                   (smem <= kTmaMaxSliceBytes &&
+                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaMaxSliceBytes) ==
+                        cudaSuccess)) &&
                   (cluster <= kClusterMax ||
                    cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) &&
                   cudaOccupancyMaxActiveClusters(&active, kernel, &cfg) == cudaSuccess && active > 0;
-  if (!ok) (void)cudaGetLastError();  // a failed query is an answer (no), not an error for the next launch to report
-  return ok;
+  if (!ok) (void)cudaGetLastError();  // a failed query is an answer (none), not an error for the next launch to report
+  return ok ? active : 0;
 }
 
 // =====================================================================================================================
@@ -1346,7 +1483,7 @@ bool launch_cluster(const P& p, KernelFor kernel_for, const char* name, cudaStre
   with_vpt(cc.reg.vpt, [&](auto vpt) {
     if constexpr (decltype(vpt)::value * kVec<T> <= kMaxValues) {
       const auto kernel = kernel_for(vpt);
-      if (!can_launch_cluster(kernel, cc.cluster, cc.reg.threads)) return;
+      if (active_clusters(kernel, cc.cluster, cc.reg.threads) == 0) return;
       cudaLaunchAttribute attr[1];
       const cudaLaunchConfig_t cfg =
           cluster_launch_config(p.rows * cc.cluster, cc.reg.threads, cc.cluster, stream, attr);
@@ -1359,40 +1496,53 @@ bool launch_cluster(const P& p, KernelFor kernel_for, const char* name, cudaStre
 }
 
 // Step 6's split of a row of D elements of `elem` bytes: C blocks of `slice` elements, a multiple of the 128-bit
-// vector, about `slice_bytes` each; rows wider than kTmaMaxCluster such slices take larger slices (cluster 0 when a
-// slice would pass kTmaMaxSliceBytes). kTmaVectorsPerThread vectors a thread.
+// vector, about `slice_bytes` each (rows wider than kTmaMaxCluster such slices take larger ones). The slice is held in
+// registers (hold) when kTmaMaxThreads threads of `vpt` vectors cover it and kTmaStages buffers of it fit in shared
+// memory; else each pass reads its buffer (kTmaStages of them where they fit, else one). cluster 0: a single buffer
+// does not fit (rows wider than 16 x 225 KiB).
 struct TmaConfig {
-  int cluster = 0, slice = 0, threads = 0;
+  int cluster = 0, slice = 0, threads = 0, stages = 0;
+  bool hold = false;
 };
-TmaConfig tma_config(int64_t D, int elem, int slice_bytes) {
+TmaConfig tma_config(int64_t D, int elem, int slice_bytes, int vpt) {
   const int N = 16 / elem;
   int64_t C = std::min<int64_t>(ceil_div(D * elem, slice_bytes), kTmaMaxCluster);
   const int64_t slice = round_up(ceil_div(D, C), N);  // balanced: the last block is not left with a sliver
-  if (slice * elem > kTmaMaxSliceBytes) return {};
+  const int64_t buffer = slice * elem;
+  if (buffer > kTmaMaxSliceBytes) return {};
   C = ceil_div(D, slice);
-  const int64_t threads = round_up(ceil_div(slice / N, kTmaVectorsPerThread), 32);
-  return {int(C), int(slice), int(std::min<int64_t>(threads, 1024))};
+  const int64_t hold_threads = round_up(ceil_div(slice / N, vpt), 32);
+  if (hold_threads <= kTmaMaxThreads && kTmaStages * buffer <= kTmaMaxSliceBytes)
+    return {int(C), int(slice), int(hold_threads), kTmaStages, true};
+  const int64_t threads = std::min<int64_t>(round_up(ceil_div(slice / N, kTmaVectorsPerThread), 32), kTmaMaxThreads);
+  return {int(C), int(slice), int(threads), kTmaStages * buffer <= kTmaMaxSliceBytes ? kTmaStages : 1, false};
 }
 
-// Step 6: a row in the shared memory of a cluster (see the top of the file). False where it cannot run: x, y or the
-// weight not 16-byte aligned (x's row stride included), a row's bytes not a multiple of 16, too wide, no sm_90+
-// binary or cluster launch.
-template <typename T, typename P, typename Kernel>
-bool launch_tma(const P& p, const T* weight, Kernel kernel, int slice_bytes, const char* name, cudaStream_t stream) {
+// Step 6 (see the top of the file and tma_rows): as many clusters as run at once, each taking every G-th row. False
+// where it cannot run: x, y or the weight not 16-byte aligned (x's row stride included), a row's bytes not a multiple
+// of 16, too wide, no sm_90+ binary or cluster launch. kernel_for(std::bool_constant<hold>) names the kernel.
+template <typename T, int VPT, typename P, typename KernelFor>
+bool launch_tma(const P& p, const T* weight, KernelFor kernel_for, int slice_bytes, const char* name,
+                cudaStream_t stream) {
   const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
   if (!aligned(p.x.data) || !aligned(p.y) || (p.x.stride * int64_t(sizeof(T))) % 16 != 0 ||
       (int64_t(p.D) * sizeof(T)) % 16 != 0 || (weight != nullptr && !aligned(weight)))
     return false;
-  const TmaConfig tc = tma_config(p.D, int(sizeof(T)), slice_bytes);
-  if (tc.cluster == 0 || p.rows * tc.cluster > std::numeric_limits<int>::max()) return false;
-  const int smem = tc.slice * int(sizeof(T));
-  if (!can_launch_cluster(kernel, tc.cluster, tc.threads, smem)) return false;
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg =
-      cluster_launch_config(p.rows * tc.cluster, tc.threads, tc.cluster, stream, attr, smem);
-  KL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tc.slice), name);
-  KL_LAUNCH_CHECK(name);
-  return true;
+  const TmaConfig tc = tma_config(p.D, int(sizeof(T)), slice_bytes, VPT);
+  if (tc.cluster == 0) return false;
+  const int smem = tc.stages * tc.slice * int(sizeof(T));
+  const auto launch = [&](auto kernel) {
+    const int active = active_clusters(kernel, tc.cluster, tc.threads, smem);
+    if (active == 0) return false;
+    const int64_t clusters = std::min<int64_t>(p.rows, active);
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg =
+        cluster_launch_config(clusters * tc.cluster, tc.threads, tc.cluster, stream, attr, smem);
+    KL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tc.slice, tc.stages), name);
+    KL_LAUNCH_CHECK(name);
+    return true;
+  };
+  return tc.hold ? launch(kernel_for(std::true_type{})) : launch(kernel_for(std::false_type{}));
 }
 
 // The registers step of both forward ops (kRegisters and kBest; see the top of the file): one block up to
@@ -1445,7 +1595,9 @@ void rms_norm_fwd_typed(const NormFwd<T>& p, int64_t variant, cudaStream_t strea
     case kOnline: return launch_rows(vectorized, p, N, "rms_norm_fwd_vectorized", stream);
     default:  // kRegisters, kBest, kTma
       if ((variant == kTma || (variant == kBest && p.D > kOneBlockMaxD)) &&
-          launch_tma<T>(p, p.w, rms_norm_fwd_tma_kernel<T>, kTmaNormSliceBytes, "rms_norm_fwd_tma", stream))
+          launch_tma<T, kTmaNormVectors>(
+              p, p.w, [](auto hold) { return rms_norm_fwd_tma_kernel<T, kTmaNormVectors, decltype(hold)::value>; },
+              kTmaNormSliceBytes, "rms_norm_fwd_tma", stream))
         return;
       const auto reg_for = [](auto vpt) { return rms_norm_fwd_registers_kernel<T, decltype(vpt)::value>; };
       const auto cluster_for = [](auto vpt) { return rms_norm_fwd_cluster_kernel<T, decltype(vpt)::value>; };
@@ -1476,8 +1628,10 @@ void softmax_fwd_typed(const SoftmaxFwd<T>& p, int64_t variant, cudaStream_t str
     case kOnline: return launch_softmax_fwd_online(p, stream);
     default:  // kRegisters, kBest, kTma
       if ((variant == kTma || (variant == kBest && p.D > kOneBlockMaxD)) &&
-          launch_tma<T>(p, static_cast<const T*>(nullptr), softmax_fwd_tma_kernel<T>, kTmaSoftmaxSliceBytes,
-                        "softmax_fwd_tma", stream))
+          launch_tma<T, kTmaSoftmaxVectors>(
+              p, static_cast<const T*>(nullptr),
+              [](auto hold) { return softmax_fwd_tma_kernel<T, kTmaSoftmaxVectors, decltype(hold)::value>; },
+              kTmaSoftmaxSliceBytes, "softmax_fwd_tma", stream))
         return;
       const auto reg_for = [](auto vpt) { return softmax_fwd_registers_kernel<T, decltype(vpt)::value>; };
       const auto cluster_for = [](auto vpt) { return softmax_fwd_cluster_kernel<T, decltype(vpt)::value>; };
@@ -1515,8 +1669,10 @@ bool launch_rms_norm_bwd_tma(NormBwd<T>& p, at::Tensor& partial, int64_t& n_part
       cudaFuncAttributes attr{};
       int per_sm = 0;
       const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
-                      (smem <= 48 * 1024 || cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                                 kTmaMaxSliceBytes) == cudaSuccess) &&
+                      // the static bytes count too (can_launch_cluster says why): 6,144 bf16 columns make 48 KiB
+                      (smem + int64_t(attr.sharedSizeBytes) <= 48 * 1024 ||
+                       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaMaxSliceBytes) ==
+                           cudaSuccess) &&
                       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, int(smem)) ==
                           cudaSuccess &&
                       per_sm > 0;
