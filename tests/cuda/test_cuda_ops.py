@@ -137,14 +137,15 @@ WIDE = [
     pytest.param(128, torch.bfloat16, id="D128-bf16"),  # the tma step on a narrow row: a cluster of one block
     pytest.param(4096, torch.bfloat16, id="D4096-bf16"),
     pytest.param(65536, torch.bfloat16, id="D65536-bf16"),  # past one block's registers: clusters
-    # slices of exactly 48 KiB (RMSNorm: 2 of them; softmax: 16): the static shared memory pushes the block past the
-    # default limit, which the launcher must raise first (it did not, and the process crashed)
-    pytest.param(49152, torch.bfloat16, id="D49152-bf16"),
-    pytest.param(393216, torch.bfloat16, id="D393216-bf16"),
+    # the tma step's two buffers of exactly 48 KiB (softmax at 12,288: one block of 24 KiB slices; RMSNorm at 196,608:
+    # 16 of them): the static shared memory pushes the block past the default limit, which the launcher must raise
+    # first (it did not, and the process crashed)
+    pytest.param(12288, torch.bfloat16, id="D12288-bf16"),
+    pytest.param(196608, torch.bfloat16, id="D196608-bf16"),
     pytest.param(100008, torch.bfloat16, id="D100008-bf16"),  # a multiple of the vector, not of a slice: shorter last
-    pytest.param(262144, torch.bfloat16, id="D262144-bf16"),  # 8 and 16 blocks a cluster (16: non-portable size)
+    pytest.param(262144, torch.bfloat16, id="D262144-bf16"),  # 16 blocks a cluster (non-portable size)
     pytest.param(262144, torch.float32, id="D262144-fp32"),  # 1 MiB rows: softmax's 16 slices twice its preferred size
-    pytest.param(1048576, torch.bfloat16, id="D1048576-bf16"),  # 2 MiB rows: 16 slices of 128 KiB (RMSNorm's 2x)
+    pytest.param(1048576, torch.bfloat16, id="D1048576-bf16"),  # 2 MiB rows: 16 slices of 128 KiB, one buffer each
 ]
 
 
@@ -210,18 +211,22 @@ def test_tma_step_runs_its_own_kernel_where_it_can(layout, takes_tma):
     "D, dtype, rows",
     [
         pytest.param(4096, torch.bfloat16, 20000, id="D4096-bf16"),  # clusters of one block, slices in registers
-        pytest.param(65536, torch.bfloat16, 1000, id="D65536-bf16"),  # clusters of 4 (softmax) and 8 (RMSNorm)
+        pytest.param(65536, torch.bfloat16, 1000, id="D65536-bf16"),  # clusters of 8 (RMSNorm) and 4 (softmax)
+        pytest.param(65536, torch.float16, 1000, id="D65536-fp16"),  # the one-exp softmax in the other 16-bit type
         pytest.param(65536, torch.float32, 1000, id="D65536-fp32"),  # softmax's two-exp form
         pytest.param(262144, torch.float32, 200, id="D262144-fp32"),  # RMSNorm slices too wide to hold: read in place
+        pytest.param(655360, torch.bfloat16, 40, id="D655360-bf16"),  # too wide to hold for both, two buffers still fit
         pytest.param(1048576, torch.bfloat16, 60, id="D1048576-bf16"),  # one buffer a block (two do not fit)
     ],
 )
 def test_tma_forward_over_many_rows(D, dtype, rows):
     # more rows than the clusters that run at once: each persistent cluster takes several, so its row buffers and
-    # the exchange's two slots are reused and their barriers change phase (the 8-row tests give a cluster one row)
-    x = torch.randn(rows, D, device="cuda", dtype=dtype)
+    # the exchange's two slots are reused and their barriers change phase (the 8-row tests give a cluster one row).
+    # Every row has its own offset and scale, so a block that used another row's partials would be far off.
+    r = torch.arange(rows, device="cuda")[:, None]
+    x = ((torch.randn(rows, D, device="cuda") + 2 * (r % 7)) * (1 + 0.5 * (r % 5))).to(dtype)
     w = torch.rand(D, device="cuda", dtype=dtype) + 0.5
-    atol = {"rms_norm": 1e-2 if dtype == torch.bfloat16 else 1e-6, "softmax": 1e-6}
+    atol = {"rms_norm": 1e-2 if dtype != torch.float32 else 1e-6, "softmax": 1e-6}
     cases = [
         ("rms_norm", lambda v: cuda.rms_norm(x, w, 1e-6, v), rms_norm_ref(x.double(), w.double(), 1e-6),
          rms_norm_ref(x, w, 1e-6)),
@@ -231,6 +236,9 @@ def test_tma_forward_over_many_rows(D, dtype, rows):
         for variant in ("tma", "best"):
             result = validate.check(call(variant), ref, pytorch, name=f"{op} {variant} D={D}", atol=atol[op])
             assert result.ok, result
+        # and it was step 6 that ran, not step 4's path that it falls back to where it cannot launch
+        names = bench.profile_kernels(lambda call=call: call("tma"), device="cuda", steps=1).by_name
+        assert any(f"{op}_fwd_tma_kernel" in n for n in names), (op, names)
 
 
 @pytest.mark.gpu

@@ -126,7 +126,7 @@ constexpr int kTmaNormSliceBytes = 16384;    // step 6's slice a block, RMSNorm 
 constexpr int kTmaSoftmaxSliceBytes = 32768;  // softmax: more work a row, larger slices (measured: 16-64 KiB)
 constexpr int kTmaNormVectors = 4;           // 128-bit vectors a thread holds of its slice, RMSNorm (w's too)
 constexpr int kTmaSoftmaxVectors = 8;        // softmax (measured: 4 and 8)
-constexpr int kTmaStages = 2;                // row buffers a block, one in use, one in flight (3 and 4: slower)
+constexpr int kTmaStages = 2;                // row buffers a block: one in use, one in flight (3-4: no faster)
 constexpr int kTmaMaxThreads = 512;          // a step-6 block, at most (its launch bound: up to 128 registers)
 constexpr int kTmaMaxSliceBytes = 225 * 1024;  // a block's dynamic shared memory on Hopper (227 KiB, less the static)
 constexpr int kTmaMaxCluster = 16;         // the non-portable cluster size Hopper allows (8 is portable)
@@ -548,9 +548,9 @@ __device__ __forceinline__ float2 cluster_max_sum(const cg::cluster_group& clust
 }
 
 // Step 6's plumbing (sm_90+). An mbarrier counts the bytes the Tensor Memory Accelerator delivers; one thread arms it
-// with the byte count and issues the bulk copy, every thread waits for the phase to complete (the forward uses phase
-// 0 once; the backward reuses its barriers, phases 0, 1, 0, ...). Inline PTX: CUDA's C++ wrappers for
-// these (cuda::device::memcpy_async_tx) appeared in CUDA 12.4 and change between versions.
+// with the byte count and issues the bulk copy, every thread waits for the phase to complete (the barriers are
+// reused row after row, phases 0, 1, 0, ...). Inline PTX: CUDA's C++ wrappers for these
+// (cuda::device::memcpy_async_tx) appeared in CUDA 12.4 and change between versions.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 // One thread: initialize the barrier (one arrival expected) and make it visible to the async proxy.
@@ -585,6 +585,18 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
                  : "=r"(done)
                  : "r"(smem_addr(bar)), "r"(parity)
                  : "memory");
+}
+
+// The same for a barrier that other blocks of the cluster complete (step 6's exchange: their st.async signal it at
+// cluster scope), so the wait acquires at cluster scope too.
+__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
 }
 
 // A step-6 block's slice buffer: its dynamic shared memory, which the host sizes to the slice.
@@ -627,7 +639,7 @@ __device__ __forceinline__ const float2* cluster_exchange(TmaShared& sh, float2 
   if (threadIdx.x == 0) mbarrier_arrive_expect(&sh.pbar[slot], uint32_t(C * sizeof(float2)));
   if (int(threadIdx.x) < C)
     st_async_float2(cluster_addr(&sh.part[slot][rank], threadIdx.x), mine, cluster_addr(&sh.pbar[slot], threadIdx.x));
-  mbarrier_wait(&sh.pbar[slot], (k >> 1) & 1);  // the slot's (k >> 1)-th use
+  mbarrier_wait_cluster(&sh.pbar[slot], (k >> 1) & 1);  // the slot's (k >> 1)-th use
   return sh.part[slot];
 }
 
@@ -1669,7 +1681,7 @@ bool launch_rms_norm_bwd_tma(NormBwd<T>& p, at::Tensor& partial, int64_t& n_part
       cudaFuncAttributes attr{};
       int per_sm = 0;
       const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
-                      // the static bytes count too (can_launch_cluster says why): 6,144 bf16 columns make 48 KiB
+                      // the static bytes count too (active_clusters says why): 6,144 bf16 columns make 48 KiB
                       (smem + int64_t(attr.sharedSizeBytes) <= 48 * 1024 ||
                        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaMaxSliceBytes) ==
                            cudaSuccess) &&
