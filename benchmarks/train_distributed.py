@@ -137,6 +137,12 @@ def overlap_line(trace_path: Path) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     env = kd.init(args.device)
+    code = train(args, env)  # returns with its model, optimizer and collectives gone: shutdown frees the group
+    kd.shutdown()
+    return code
+
+
+def train(args, env) -> int:
     dtype = DTYPES[args.dtype or ("bf16" if env.device.type == "cuda" else "fp32")]
     batch = args.batch or (4 if env.device.type == "cuda" else 2)
     seq_len = args.seq_len or (2048 if env.device.type == "cuda" else 32)
@@ -185,8 +191,7 @@ def main(argv=None) -> int:
         ms = timer.stop()
         mean = float(kd.mean_over_ranks(loss))
         if not torch.isfinite(torch.tensor(mean)):
-            say(f"step {step}: loss is {mean}; stopping")
-            kd.shutdown()
+            say(f"step {step}: loss is {mean}; stopping")  # the mean is all-reduced: every rank stops here
             return 1
         rows.append({"step": step, "loss": mean, "ms": ms, "tokens_per_s": global_batch * seq_len / (ms * 1e-3)})
         say(f"step {step:4d}  loss {mean:.4f}  {ms:8.1f} ms  {rows[-1]['tokens_per_s']:>10,.0f} tokens/s", flush=True)
@@ -216,7 +221,6 @@ def main(argv=None) -> int:
         say(f"saved step {start_step + args.steps} to {args.save}")
     if args.out and env.is_main:
         write_files(args, env, dtype, batch, seq_len, rows, summary, prediction)
-    kd.shutdown()
     return 0
 
 
