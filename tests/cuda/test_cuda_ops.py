@@ -298,8 +298,8 @@ def test_rms_norm_backward_tma_runs_its_own_kernel_where_it_can(x_layout, dy_lay
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["registers", "online", "tma", "best"])
 def test_softmax_rows_with_negative_infinity(variant):
-    # 65,536 columns: the cluster steps split a row over 4 blocks, so whole slices can be -inf; 4 rows of each kind
-    # below, 1,000 in all, so the persistent clusters of step 6 meet them in every buffer and slot
+    # 65,536 columns: the cluster steps split a row over 4 blocks, so whole slices can be -inf; each kind below takes
+    # every fourth of 1,000 rows, so the persistent clusters of step 6 meet them in every buffer and slot
     x = torch.randn(1000, 65536, device="cuda", dtype=torch.bfloat16)
     x[0::4, :32768] = -torch.inf  # the first slices hold nothing but -inf
     x[1::4, ::2] = -torch.inf  # every other element
