@@ -12,7 +12,11 @@ versions) as soon as it finishes, so a run killed later keeps what finished, and
   peak memory above the weights and the batch (optimizer states, gradients, activations), MFU
   (``GPT.flops_per_token``: 6 N + attention, forward and backward) over the bf16 matmul ceiling measured in the same
   run and over the datasheet's dense bf16 peak (H100 and H200 SXM: 989 TFLOP/s; other GPUs: not reported), and
-  from torch.profiler the GPU-busy time per step, its share of the step, and its split by kernel family.
+  from torch.profiler the GPU-busy time per step, its share of the step, and its split by kernel family. Then the
+  fusion floor (``fusion_floor_ms``): native compiled's and kernel_lib's matmuls, optimizer and attention at the
+  faster of the two, the norms and the SwiGLU at their bytes (``elementwise_floor_bytes``) over the copy bandwidth
+  measured in the same run, everything else free: a step no kernels of version 4 can beat with those matmuls, so
+  native compiled's kernel time over it bounds version 4's speed-up over version 3.
 * ``loss``: ``--steps`` steps of each version from the same weights on the same stream of batches (the standard
   library's sources, a byte-level BPE tokenizer with the model's vocabulary). Curves go to
   ``<out>/loss_curves.csv`` (step, version, loss), with a reference, native eager in float32, and ``--reruns``
@@ -92,6 +96,8 @@ from kernel_lib.models.capstone import (  # noqa: E402
     compare_curves,
     datasheet_tflops,
     decode_limit,
+    elementwise_floor_bytes,
+    fusion_floor_ms,
     generation_times,
     hf_generate,
     loss_curves,
@@ -183,13 +189,13 @@ def phase_train(ctx: Context, rows: list[dict]) -> None:
         f"{flops / 1e12:,.3f} TFLOP per step (forward + backward); matmul ceiling {ceiling:,.1f} TFLOP/s measured, "
         f"datasheet {datasheet or 'not listed'}"
     )
-    phase_rows = []
+    phase_rows, profiles = [], {}
     for name in VERSIONS:
         version = build_version(name, ctx.source, device, ctx.dtype, compile=ctx.compile)
         optimizer = make_optimizer(version.model, args.lr)
         step = _step_fn(version, optimizer, idx, targets)
         cost = step_cost(step, device, warmup_ms=4 * args.rep_ms / 10, rep_ms=args.rep_ms)
-        profile = profile_families(step, device, steps=args.profile_steps)
+        profile = profiles[name] = profile_families(step, device, steps=args.profile_steps)
         achieved = flops / cost.ms / 1e9
         row = {
             "phase": "train", "version": name, "impl": version.gpt.config.impl,
@@ -222,6 +228,22 @@ def phase_train(ctx: Context, rows: list[dict]) -> None:
                        "busy_share", "speedup_vs_native_eager", "speedup_vs_native_compiled",
                        "peak_vs_native_eager"])  # fmt: skip
     print("goals for version 4: >= 1.3x native eager's tokens/s, >= 1.1x native compiled's, <= 0.7x its peak memory")
+    # How fast version 4 could be against version 3 with the same matmuls and optimizer (notebook 08, section 3)
+    copy = bench.copy_bandwidth(device=device.type)
+    size = torch.empty((), dtype=ctx.dtype).element_size()
+    floor_ms = {f: b / copy / 1e6 for f, b in elementwise_floor_bytes(ctx.config, B, T, size).items()}
+    pair = ("native compiled", "kernel_lib CUDA graphs")
+    best = fusion_floor_ms({n: profiles[n] for n in pair}, floor_ms)
+    spent = sum(profiles[pair[0]].families.values())  # its kernels' time, family by family (CPU: operators')
+    bound = spent / best
+    for row in phase_rows:
+        row.update(copy_gbps=copy, fusion_floor_ms=best, fusion_bound_vs_native_compiled=bound)
+    print(
+        f"fusion floor: {best:,.2f} ms of kernels a step (matmul, optimizer and attention at the faster of {pair[0]} "
+        f"and {pair[1]}, norm {floor_ms['norm']:,.2f} ms and activation {floor_ms['activation']:,.2f} ms at "
+        f"{copy:,.0f} GB/s, the rest free) against {spent:,.2f} ms for {pair[0]}: version 4 "
+        f"can be at most {bound:.2f}x version 3 ({profiles[pair[1]].clock})"
+    )
 
 
 def phase_loss(ctx: Context, rows: list[dict]) -> None:

@@ -10,7 +10,19 @@ import csv
 import pytest
 import torch
 
-from kernel_lib.models.capstone import KERNEL_FAMILIES, REFERENCE, compare_curves, kernel_family, reround, rerun_name
+from kernel_lib.models import GPTConfig
+from kernel_lib.models.capstone import (
+    KERNEL_FAMILIES,
+    REFERENCE,
+    SIZES,
+    StepProfile,
+    compare_curves,
+    elementwise_floor_bytes,
+    fusion_floor_ms,
+    kernel_family,
+    reround,
+    rerun_name,
+)
 from tests._checks import load_script
 
 
@@ -58,12 +70,50 @@ def test_largest_batch_finds_the_limit(script, limit, cap, expected):
         ("triton_poi_fused_mul_silu_2", "activation"),
         ("_gated_fwd_kernel", "activation"),
         ("multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor<float, 4>>", "optimizer"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64", "attention"),
+        ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*)", "attention"),  # SDPA's helpers
+        ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*)", "attention"),
         ("_rope_kernel", "other"),
         ("Memcpy DtoD (Device -> Device)", "other"),
     ],
 )
 def test_kernel_family(name, family):
     assert kernel_family(name) == family
+
+
+def test_elementwise_floor_bytes_of_the_350m_model():
+    # 8,192 tokens, d 1,024, d_ff 2,816, 24 layers, bf16: 49 norms x (5 x 8,192 x 1,024 + 3 x 1,024) elements and
+    # 24 SwiGLUs x 8 x 8,192 x 2,816 elements, 2 bytes each
+    config = GPTConfig(**SIZES["350m"], max_seq_len=1024)
+    floors = elementwise_floor_bytes(config, 8, 1024, 2)
+    assert floors == {"norm": 4_110_718_976, "activation": 8_858_370_048}
+
+
+def test_elementwise_floor_bytes_scales_with_tokens_and_routes_experts():
+    dense = GPTConfig(**SIZES["tiny"], max_seq_len=64)
+    one, two = elementwise_floor_bytes(dense, 1, 64, 4), elementwise_floor_bytes(dense, 2, 64, 4)
+    assert two["activation"] == 2 * one["activation"]  # every term is per token
+    weight_terms = (2 * dense.n_layers + 1) * 3 * dense.d_model * 4  # the norms' weights: once per step
+    assert two["norm"] - weight_terms == 2 * (one["norm"] - weight_terms)
+    moe = GPTConfig(**SIZES["tiny"], max_seq_len=64, n_experts=4, top_k=2)
+    assert elementwise_floor_bytes(moe, 1, 64, 4)["activation"] == 2 * one["activation"]  # each token to 2 experts
+    assert elementwise_floor_bytes(moe, 1, 64, 4)["norm"] == one["norm"]
+
+
+def test_fusion_floor_ms_takes_the_fastest_measured_and_the_floors():
+    def profile(**families):
+        return StepProfile(families, busy_ms=sum(families.values()), wall_ms=0.0, kernels_per_step=1, clock="gpu")
+
+    profiles = {
+        "a": profile(matmul=20.0, optimizer=5.0, attention=6.0, norm=2.0, activation=3.0, other=4.0),
+        "b": profile(matmul=21.0, optimizer=4.5, attention=7.0, norm=1.5, activation=3.2, other=6.0),
+    }
+    # matmul 20 (a), optimizer 4.5 (b), attention 6 (a), then the floors; norm's and other's measured times unused
+    assert fusion_floor_ms(profiles, {"norm": 1.0, "activation": 2.5}) == pytest.approx(20 + 4.5 + 6 + 1 + 2.5)
+    with pytest.raises(ValueError, match="attention"):
+        fusion_floor_ms(profiles, {"attention": 1.0})  # a measured family cannot also have a floor
+    with pytest.raises(ValueError, match="at least one"):
+        fusion_floor_ms({}, {})
 
 
 def test_tiny_run_writes_every_phase(script, tmp_path):

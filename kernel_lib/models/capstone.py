@@ -5,6 +5,8 @@ Training, for the GPT's versions built from one set of weights (``VERSIONS``, ``
     step      = train_step(model, optimizer, idx, targets)    forward with the loss, backward, AdamW, grads dropped
     cost      = step_cost(step, device)                       median time, first call, peak memory
     profile   = profile_families(step, device)                GPU time per kernel family, GPU busy vs wall
+    floors    = elementwise_floor_bytes(config, B, T, size)   bytes the norms and the activation must move
+    best      = fusion_floor_ms(profiles, floor_ms)           the shortest step the measured kernels allow
     losses    = loss_curve(model, optimizer, batches, steps)  one loss per step
     curves    = loss_curves(source, tokens, B, T, steps, ...)  every version's, a float32 reference's, and re-runs
                                                               of native eager from re-rounded weights
@@ -48,6 +50,8 @@ __all__ = [
     "kernel_family",
     "StepProfile",
     "profile_families",
+    "elementwise_floor_bytes",
+    "fusion_floor_ms",
     "loss_curve",
     "REFERENCE",
     "YARDSTICK",
@@ -164,9 +168,13 @@ StepCost, step_cost = bench.StepCost, bench.step_cost  # one timer for every ste
 # triton_per_fused_add_mean_mul_pow_rsqrt_*, triton_poi_fused_mul_silu_*), eager ATen kernels
 # (cunn_SoftMaxForward<..., LogSoftMaxForwardEpilogue>, silu_kernel, masked_fill_kernel) and on the CPU ATen ops
 # (aten::mm, aten::_softmax) and kernel_lib's autograd functions (_Norm, _GatedActivation, _LinearCrossEntropy).
+# cuDNN's SDPA backward adds two helpers of its own (compute_dot_do_o: the rows' dO . O; convert_dq_to_16bits).
 KERNEL_FAMILIES = (
     ("loss", ("log_softmax", "logsoftmax", "nll_loss", "cross_entropy", "crossentropy", "_ce_fwd", "_ce_bwd")),
-    ("attention", ("attn", "attention", "flash", "fmha", "sdpa", "softmax", "masked_fill", "triu")),
+    (
+        "attention",
+        ("attn", "attention", "flash", "fmha", "sdpa", "softmax", "masked_fill", "triu", "dot_do_o", "convert_dq"),
+    ),
     ("norm", ("norm", "rsqrt", "meanops", "aten::mean", "pow")),
     ("activation", ("silu", "sigmoid", "gelu", "swiglu", "gated")),
     ("matmul", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitk", "matmul", "::mm", "addmm", "bmm")),
@@ -203,6 +211,42 @@ def profile_families(step: Callable[[], object], device, steps: int = 3) -> Step
     for name, (ms, _calls) in prof.by_name.items():
         families[kernel_family(name)] += ms
     return StepProfile(families, prof.busy_ms, prof.wall_ms, prof.kernels_per_step, prof.clock, prof.top[:12])
+
+
+def elementwise_floor_bytes(config, batch: int, seq_len: int, element_size: int) -> dict[str, int]:
+    """Bytes that a training step's norm and activation families must move at least, whatever fuses them, for a
+    GPT of ``config`` on ``batch`` x ``seq_len`` tokens in a dtype of ``element_size`` bytes. N tokens, width d,
+    SwiGLU width F, L layers (with experts: each token's top_k rows through the experts)::
+
+        norm        (2 L + 1) RMSNorms: forward reads x, writes y; backward reads dy and x, writes dx:
+                    5 N d elements each, plus the weight read twice and its gradient written (3 d)
+        activation  L SwiGLUs: forward reads gate and up, writes h; backward reads dh, gate and up, writes
+                    dgate and dup: 8 N F elements each (keeping h, or computing it again, is on top)
+
+    What is left out can cost nothing in principle: the loss fused into the head's matmuls, RoPE and the layout
+    copies fused into the attention kernels, the residual adds into the norms. Attention's time is FLOPs, not
+    bytes: ``fusion_floor_ms`` takes the fastest measured attention for it."""
+    c = config
+    tokens = batch * seq_len
+    rows = tokens * c.top_k if c.n_experts else tokens
+    norm = (2 * c.n_layers + 1) * (5 * tokens * c.d_model + 3 * c.d_model)
+    activation = c.n_layers * 8 * rows * c.d_ff
+    return {"norm": norm * element_size, "activation": activation * element_size}
+
+
+def fusion_floor_ms(profiles: dict[str, StepProfile], floor_ms: dict[str, float]) -> float:
+    """The shortest step that ``profiles`` (version -> ``profile_families``) allow: matmul, optimizer and attention
+    at the fastest of the profiled versions (the first two are cuBLAS and PyTorch's AdamW in every version), the
+    families of ``floor_ms`` (ms, e.g. ``elementwise_floor_bytes`` over the copy bandwidth) at their floors, and
+    everything else (loss, RoPE, residual adds, layout copies) free. A step no choice of those kernels can beat."""
+    if not profiles:
+        raise ValueError("fusion_floor_ms needs at least one profile")
+    measured = ("matmul", "optimizer", "attention")
+    clash = set(measured) & set(floor_ms)
+    if clash:
+        raise ValueError(f"families {sorted(clash)} are taken as measured; give floors for the others only")
+    best = sum(min(p.families.get(f, 0.0) for p in profiles.values()) for f in measured)
+    return best + sum(floor_ms.values())
 
 
 def loss_curve(
