@@ -228,7 +228,7 @@ def phase_train(ctx: Context, rows: list[dict]) -> None:
                        "busy_share", "speedup_vs_native_eager", "speedup_vs_native_compiled",
                        "peak_vs_native_eager"])  # fmt: skip
     print("goals for version 4: >= 1.3x native eager's tokens/s, >= 1.1x native compiled's, <= 0.7x its peak memory")
-    # How fast version 4 could be against version 3 with the same matmuls and optimizer (notebook 08, section 3)
+    # How fast version 4 could be against version 3 with the same matmuls and optimizer
     copy = bench.copy_bandwidth(device=device.type)
     size = torch.empty((), dtype=ctx.dtype).element_size()
     floor_ms = {f: b / copy / 1e6 for f, b in elementwise_floor_bytes(ctx.config, B, T, size).items()}

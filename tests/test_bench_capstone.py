@@ -71,8 +71,6 @@ def test_largest_batch_finds_the_limit(script, limit, cap, expected):
         ("_gated_fwd_kernel", "activation"),
         ("multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor<float, 4>>", "optimizer"),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64", "attention"),
-        ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*)", "attention"),  # SDPA's helpers
-        ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*)", "attention"),
         ("_rope_kernel", "other"),
         ("Memcpy DtoD (Device -> Device)", "other"),
     ],

@@ -168,13 +168,9 @@ StepCost, step_cost = bench.StepCost, bench.step_cost  # one timer for every ste
 # triton_per_fused_add_mean_mul_pow_rsqrt_*, triton_poi_fused_mul_silu_*), eager ATen kernels
 # (cunn_SoftMaxForward<..., LogSoftMaxForwardEpilogue>, silu_kernel, masked_fill_kernel) and on the CPU ATen ops
 # (aten::mm, aten::_softmax) and kernel_lib's autograd functions (_Norm, _GatedActivation, _LinearCrossEntropy).
-# cuDNN's SDPA backward adds two helpers of its own (compute_dot_do_o: the rows' dO . O; convert_dq_to_16bits).
 KERNEL_FAMILIES = (
     ("loss", ("log_softmax", "logsoftmax", "nll_loss", "cross_entropy", "crossentropy", "_ce_fwd", "_ce_bwd")),
-    (
-        "attention",
-        ("attn", "attention", "flash", "fmha", "sdpa", "softmax", "masked_fill", "triu", "dot_do_o", "convert_dq"),
-    ),
+    ("attention", ("attn", "attention", "flash", "fmha", "sdpa", "softmax", "masked_fill", "triu")),
     ("norm", ("norm", "rsqrt", "meanops", "aten::mean", "pow")),
     ("activation", ("silu", "sigmoid", "gelu", "swiglu", "gated")),
     ("matmul", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitk", "matmul", "::mm", "addmm", "bmm")),
@@ -238,7 +234,10 @@ def fusion_floor_ms(profiles: dict[str, StepProfile], floor_ms: dict[str, float]
     """The shortest step that ``profiles`` (version -> ``profile_families``) allow: matmul, optimizer and attention
     at the fastest of the profiled versions (the first two are cuBLAS and PyTorch's AdamW in every version), the
     families of ``floor_ms`` (ms, e.g. ``elementwise_floor_bytes`` over the copy bandwidth) at their floors, and
-    everything else (loss, RoPE, residual adds, layout copies) free. A step no choice of those kernels can beat."""
+    everything else (loss, RoPE, residual adds, layout copies) free. A step no choice of those kernels can beat.
+    A kernel that ``kernel_family`` puts in "other" counts as free too (cuDNN's SDPA backward helpers
+    ``compute_dot_do_o`` and ``convert_dq_to_16bits``, about 1.1 ms a step of the 350m model on an H100): the bound
+    is then looser, not wrong."""
     if not profiles:
         raise ValueError("fusion_floor_ms needs at least one profile")
     measured = ("matmul", "optimizer", "attention")
