@@ -126,6 +126,8 @@ def test_tiny_run_writes_every_phase(script, tmp_path):
         assert float(row["step_ms"]) > 0 and float(row["tokens_per_s"]) > 0, row
         families = [float(row[f"ms_{name}"]) for name, _ in KERNEL_FAMILIES]
         assert sum(families) > 0, row  # the profile saw the step
+        # the fusion floor and the bound it gives are written to every training row
+        assert 0 < float(row["fusion_floor_ms"]) and float(row["fusion_bound_vs_native_compiled"]) > 0, row
 
     reruns = [rerun_name(i) for i in range(1, script.TINY["reruns"] + 1)]
     assert [r["version"] for r in phase["loss"]] == [REFERENCE, *versions, *reruns]

@@ -236,8 +236,8 @@ def fusion_floor_ms(profiles: dict[str, StepProfile], floor_ms: dict[str, float]
     families of ``floor_ms`` (ms, e.g. ``elementwise_floor_bytes`` over the copy bandwidth) at their floors, and
     everything else (loss, RoPE, residual adds, layout copies) free. A step no choice of those kernels can beat.
     A kernel that ``kernel_family`` puts in "other" counts as free too (cuDNN's SDPA backward helpers
-    ``compute_dot_do_o`` and ``convert_dq_to_16bits``, about 1.1 ms a step of the 350m model on an H100): the bound
-    is then looser, not wrong."""
+    ``compute_dot_do_o`` and ``convert_dq_to_16bits``, about 1.1 ms a step of the 350m model on an H100,
+    ``benchmarks/NOTES.md``, 2026-11-25): the bound is then looser, not wrong."""
     if not profiles:
         raise ValueError("fusion_floor_ms needs at least one profile")
     measured = ("matmul", "optimizer", "attention")
