@@ -167,11 +167,12 @@ ifneq ($(WHEELHOUSE),)
 endif
 
 # The GPU suite runs GPU_WORKERS pytest processes on the one GPU (Triton's and nvcc's compiles are CPU work;
-# test files stay whole, --dist loadfile). Its notebook pass runs every cell on the GPU at the CPU's sizes
-# (KERNEL_COURSE_SIZES=small, see bench.full_sizes): it proves they work; `make execute` stores the full runs.
+# a test file stays on one worker unless it groups its tests itself: --dist loadgroup, tests/conftest.py). Its
+# notebook pass runs every cell on the GPU at the CPU's sizes (KERNEL_COURSE_SIZES=small, see bench.full_sizes):
+# it proves they work; `make execute` stores the full runs.
 GPU_WORKERS ?= 6
 test-gpu: check-gpu jupyter-from-wheelhouse ## GPU suite: pytest (GPU tests too) and nbval over every notebook at small sizes, in parallel
-	$(RUN) $(PYTHON) -m pytest -n $(GPU_WORKERS) --dist loadfile tests
+	$(RUN) $(PYTHON) -m pytest -n $(GPU_WORKERS) --dist loadgroup tests
 	$(RUN) KERNEL_COURSE_SIZES=small $(PYTHON) -m pytest -n $(GPU_WORKERS) --dist loadfile $(NBVAL) $(NOTEBOOKS)
 
 execute: check-gpu jupyter-from-wheelhouse ## Re-execute every notebook in place on this GPU and record device and versions in its metadata

@@ -77,11 +77,11 @@ def heuristic_rows(kernels=("attention", "grouped")) -> list[dict]:
         fwd = _timings(tuners[0])
         out.backward(torch.randn_like(out))
         shape = f"N={N} D={D} causal={causal} window={window}"
-        smem = {"HEAD_DIM": D, "q": q}
+        smem = {"BLOCK_DQK": D, "BLOCK_DV": D, "q": q}  # widths: q/k and v tiles
         picks = [
-            pick_config(ak.fwd_preferred(N, D, causal, window is not None), None, ak._smem_bytes, smem),
-            pick_config(ak.dkdv_preferred(N, D, causal, window), None, ak._smem_bytes_dkdv, smem),
-            pick_config(ak.dq_preferred(D, causal), None, ak._smem_bytes_dq, smem),
+            pick_config(ak.fwd_preferred(N, 2 * D, causal, window is not None), None, ak._smem_bytes, smem),
+            pick_config(ak.dkdv_preferred(N, 2 * D, causal, window), None, ak._smem_bytes_dkdv, smem),
+            pick_config(ak.dq_preferred(2 * D, causal), None, ak._smem_bytes_dq, smem),
         ]
         names = ("attention fwd", "attention dK/dV", "attention dQ")
         measured = (fwd, _timings(tuners[1]), _timings(tuners[2]))

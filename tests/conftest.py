@@ -68,8 +68,17 @@ def _share_the_gpu(request):
         torch.cuda.empty_cache()
 
 
+def pytest_configure(config):
+    # pytest-xdist registers it where installed; the GPU machine may run without xdist
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker under --dist loadgroup")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run with `make test-gpu` on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        # Parallel runs use --dist loadgroup: a file's tests stay on one worker (its compiled kernels and
+        # fixtures serve them all) unless the file groups them itself (the attention grid spreads its head dims).
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))

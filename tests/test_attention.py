@@ -29,6 +29,9 @@ CASES = [  # (B, Hq, Hkv, N, M, D, causal, window), the reason for each
     pytest.param(1, 2, 2, 100, 100, 32, True, 10, id="window-below-block"),
     pytest.param(1, 4, 2, 100, 100, 32, True, 70, id="window-above-block"),
     pytest.param(1, 1, 1, 37, 37, 128, True, None, id="head-dim-128"),
+    pytest.param(1, 2, 1, 45, 45, 40, True, None, id="head-dim-40"),  # padded to 64 inside the kernels
+    pytest.param(1, 2, 2, 33, 50, 59, False, None, id="head-dim-59"),  # odd: rows not 16-byte aligned
+    pytest.param(1, 2, 2, 40, 40, (48, 24), True, None, id="head-dims-48-24"),  # v narrower than q, k (MLA)
 ]
 
 
@@ -42,9 +45,11 @@ def torch_attention(q, k, v, causal, window):
 
 
 def _qkv(B, Hq, Hkv, N, M, D, dtype, device):
+    """Random q, k, v; D is one head dim, or (q/k's, v's)."""
+    D, Dv = D if isinstance(D, tuple) else (D, D)
     q = torch.randn(B, Hq, N, D, device=device).to(dtype)
     k = torch.randn(B, Hkv, M, D, device=device).to(dtype)
-    v = torch.randn(B, Hkv, M, D, device=device).to(dtype)
+    v = torch.randn(B, Hkv, M, Dv, device=device).to(dtype)
     return q, k, v
 
 
@@ -79,7 +84,7 @@ def test_backward_with_other_tile_shapes(device, monkeypatch, B, Hq, Hkv, N, M, 
     # The backward kernels mask only the tiles on the mask's edge; the tests above run one tile shape (32 x 32
     # when interpreted), so the split is checked here with tiles of unequal sides.
     config = triton.Config({"BLOCK_M": block_q, "BLOCK_N": block_k}, num_warps=4, num_stages=2)
-    monkeypatch.setattr(attention_module, "pick_config", lambda *args: meta(config))  # every kernel takes this tile
+    monkeypatch.setattr(attention_module, "configs_that_fit", lambda *args: [meta(config)])  # every kernel: this tile
     q, k, v = _qkv(B, Hq, Hkv, N, M, 32, torch.float16, device)
     kernel = functools.partial(flash_attention, causal=causal, window=window)
     reference = functools.partial(attention_ref, causal=causal, window=window)
@@ -162,8 +167,9 @@ def test_opcheck(device):
         (((2, 8, 32), (1, 2, 8, 32), (1, 2, 8, 32)), {}, ValueError, "q must have 4 dims"),
         (((1, 2, 8, 32), (1, 2, 8, 64), (1, 2, 8, 64)), {}, ValueError, "same head dim"),
         (((1, 3, 8, 32), (1, 2, 8, 32), (1, 2, 8, 32)), {}, ValueError, "multiple of key/value heads"),
-        (((1, 2, 8, 48), (1, 2, 8, 48), (1, 2, 8, 48)), {}, ValueError, "head dim must be one of"),
-        (((1, 2, 8, 32), (1, 2, 8, 32), (1, 2, 9, 32)), {}, ValueError, "k and v must have the same shape"),
+        (((1, 2, 8, 320), (1, 2, 8, 320), (1, 2, 8, 32)), {}, ValueError, "q and k must be between 1 and 256"),
+        (((1, 2, 8, 32), (1, 2, 8, 32), (1, 2, 8, 264)), {}, ValueError, "head dim of v must be between 1 and 256"),
+        (((1, 2, 8, 32), (1, 2, 8, 32), (1, 2, 9, 32)), {}, ValueError, "k and v must agree"),
         (((1, 2, 8, 32), (1, 2, 8, 32), (1, 2, 8, 32)), {"window": 4}, ValueError, "window needs causal"),
         (((1, 2, 8, 32), (1, 2, 8, 32), (1, 2, 8, 32)), {"window": 0, "causal": True}, ValueError, "positive"),
     ],

@@ -293,3 +293,51 @@ def test_compile_together_compiles_without_launching():
     assert len(cache) == before + 2
     _double_kernel[(1,)](x, 100, BLOCK=128)
     assert torch.equal(x, torch.full_like(x, 2.0))
+
+
+# ------------------------------------------------------------------------- compile_fitting
+def _fake_kernel(shared_by_block: dict, compiled: list):
+    """A stand-in for a JIT kernel whose compiled shared memory depends on its BLOCK."""
+
+    def warmup(*args, grid, **kwargs):
+        compiled.append(kwargs["BLOCK"])
+        return types.SimpleNamespace(metadata=types.SimpleNamespace(shared=shared_by_block[kwargs["BLOCK"]]))
+
+    return types.SimpleNamespace(warmup=warmup, __name__="fake_kernel")
+
+
+@pytest.fixture
+def compiled_shared_memory(monkeypatch):
+    """compile_fitting as on a GPU of 1,000 bytes of shared memory, compiling one launch after another."""
+    monkeypatch.setattr(_utils, "is_interpreting", lambda: False)
+    monkeypatch.setattr(_utils, "shared_memory_limit", lambda index=0: 1000)
+    monkeypatch.setattr(_utils, "_compile_side_by_side", lambda launches: None)
+    monkeypatch.setattr(_utils, "_fitting_choices", {})
+
+
+def test_compile_fitting_skips_a_config_the_compiler_made_too_large(compiled_shared_memory):
+    compiled = []
+    # the estimate let BLOCK 64 through, but its compiled kernel asks 1,200 bytes: the next candidate runs
+    kernel = _fake_kernel({64: 1200, 32: 900, 16: 400}, compiled)
+    candidates = [{"BLOCK": 64}, {"BLOCK": 32}, {"BLOCK": 16}]
+    other = _fake_kernel({8: 100}, compiled)
+    choice = _utils.compile_fitting(
+        ("k",), [(kernel, (1,), (4,), {}, candidates), (other, (1,), (4,), {}, [{"BLOCK": 8}])]
+    )
+    assert choice == [{"BLOCK": 32}, {"BLOCK": 8}]
+    assert compiled == [64, 8, 32, 8]
+    assert _utils.compile_fitting(("k",), []) == choice  # remembered: nothing compiles again
+    assert len(compiled) == 4
+
+
+def test_compile_fitting_names_the_limit_when_nothing_fits(compiled_shared_memory):
+    kernel = _fake_kernel({64: 4096, 32: 2048}, [])
+    with pytest.raises(ValueError, match=r"no config fits this GPU's shared memory \(1,000 bytes.*needs 2048 bytes"):
+        _utils.compile_fitting(("none",), [(kernel, (1,), (4,), {}, [{"BLOCK": 64}, {"BLOCK": 32}])])
+
+
+def test_compile_fitting_takes_the_first_candidate_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(_utils, "is_interpreting", lambda: True)
+    kernel = _fake_kernel({}, compiled := [])
+    assert _utils.compile_fitting(("i",), [(kernel, (1,), (4,), {}, [{"BLOCK": 64}])]) == [{"BLOCK": 64}]
+    assert compiled == []

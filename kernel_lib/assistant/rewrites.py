@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..ops.attention import HEAD_DIMS
+from ..ops.attention import MAX_HEAD_DIM
 from ..ops.rope import rope_cos_sin
 from .findings import Finding
 
@@ -197,7 +197,7 @@ class FusedSelfAttention(torch.nn.Module):
             qkv = _cat_linear(x, [self._get("q"), self._get("k"), self._get("v")])
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, D)
-        fast = _kernels_apply(x) and x.dtype in (torch.float16, torch.bfloat16) and D in HEAD_DIMS
+        fast = _kernels_apply(x) and x.dtype in (torch.float16, torch.bfloat16) and D <= MAX_HEAD_DIM
         if self.rope_base is not None:
             cos, sin = self._cos_sin(T, x.device)
             rot = ops.rope.rope if _kernels_apply(x) else ops.rope.rope_ref

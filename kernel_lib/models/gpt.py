@@ -96,7 +96,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..ops.attention import HEAD_DIMS, flash_attention
+from ..ops.attention import MAX_HEAD_DIM, flash_attention
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.moe import MoE
 from ..ops.norms import RMSNorm, add_rms_norm
@@ -152,9 +152,9 @@ class GPTConfig:
             raise ValueError(f"impl 'naive' has no grouped-query attention: n_kv_heads must be {self.n_heads}")
         if self.head_dim % 2:
             raise ValueError(f"the head dim d_model / n_heads must be even for RoPE's pairs, got {self.head_dim}")
-        if self.impl == "kernel_lib" and self.head_dim not in HEAD_DIMS:
+        if self.impl == "kernel_lib" and self.head_dim > MAX_HEAD_DIM:
             raise ValueError(
-                f"impl 'kernel_lib' needs a head dim in {HEAD_DIMS} for flash attention, got {self.head_dim}"
+                f"impl 'kernel_lib' needs a head dim of at most {MAX_HEAD_DIM} for flash attention, got {self.head_dim}"
             )
         if not self.rope_base > 0 or not self.norm_eps >= 0:
             raise ValueError(f"rope_base must be > 0 and norm_eps >= 0, got {self.rope_base} and {self.norm_eps}")

@@ -182,6 +182,18 @@ def meta(config) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
+def configs_that_fit(preferred: Sequence, smallest, smem_bytes: Callable[[object, dict], int], args: dict) -> list:
+    """Launch keywords of the configs of ``preferred`` whose estimate fits the device's shared memory, best first,
+    then ``smallest``: the candidates :func:`compile_fitting` tries in order. Under the interpreter, ``smallest``
+    alone, where small tiles keep the CPU run short."""
+    if is_interpreting():
+        return [meta(smallest)]
+    index = device_index_of(args)
+    limit = shared_memory_limit(index if index is not None else 0)
+    fitting = [meta(c) for c in preferred if smem_bytes(c, args) <= limit]
+    return fitting + [meta(smallest)] if meta(smallest) not in fitting else fitting
+
+
 def pick_config(preferred: Sequence, smallest, smem_bytes: Callable[[object, dict], int], args: dict) -> dict:
     """Launch keywords for a matmul-like kernel: the first of ``preferred`` that fits the device's shared memory.
 
@@ -189,14 +201,7 @@ def pick_config(preferred: Sequence, smallest, smem_bytes: Callable[[object, dic
     full autotune on an H100: benchmarks/bench_autotune.py). ``smallest`` runs anywhere; it is the one
     used under the interpreter, where small tiles keep the CPU run short.
     """
-    if is_interpreting():
-        return meta(smallest)
-    index = device_index_of(args)
-    limit = shared_memory_limit(index if index is not None else 0)
-    for config in preferred:
-        if smem_bytes(config, args) <= limit:
-            return meta(config)
-    return meta(smallest)
+    return configs_that_fit(preferred, smallest, smem_bytes, args)[0]
 
 
 def autotune_requested() -> bool:
@@ -212,6 +217,52 @@ _compiled_together: set = set()
 _compile_threads = None
 
 
+def _compile_side_by_side(launches: Sequence[tuple]) -> list | None:
+    """Compile (never launch) ``(kernel, grid, args, kwargs)`` launches in threads through Triton's
+    ``AsyncCompileMode`` (Triton 3.4 and later) and return the compiled kernels; None where this Triton has no
+    such mode or another one is active (the caller then compiles one by one, or at launch)."""
+    global _compile_threads
+    try:  # private API, so a Triton without it just compiles at launch
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return None
+    if _compile_threads is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _compile_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kernel_lib-compile")
+    try:
+        mode = AsyncCompileMode(_compile_threads)
+    except TypeError:  # a signature this file does not know
+        return None
+    compiled = []
+    try:
+        with mode:
+            for kernel, grid, args, kwargs in launches:
+                compiled.append(kernel.warmup(*args, grid=grid, **kwargs))
+    except RuntimeError as error:  # another AsyncCompileMode is active (a caller of ours compiles too)
+        if "already active" not in str(error):
+            raise
+        return None
+    return [k.result() if hasattr(k, "result") else k for k in compiled]  # futures, resolved by now
+
+
+def _load_side_by_side(kernels: Sequence, launches: Sequence[tuple]) -> None:
+    """A kernel is loaded at its first launch, and some Triton releases first build its C launcher there (a call
+    of the system's C compiler, about 0.3 s): side by side too, on the launches' device."""
+    index = device_index_of(dict(enumerate(launches[0][2]))) if launches else None
+
+    def load(kernel) -> None:
+        with torch.cuda.device(index or 0):
+            kernel._init_handles()
+
+    loads = [_compile_threads.submit(load, k) for k in kernels if hasattr(k, "_init_handles")]  # private: may be absent
+    for future in loads:
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001, S110 - the launch raises it again, with Triton's own message
+            pass
+
+
 def compile_together(key: tuple, launches: Sequence[tuple]) -> None:
     """Compile the kernels of several launches side by side, the first time ``key`` is seen in this process.
 
@@ -221,46 +272,75 @@ def compile_together(key: tuple, launches: Sequence[tuple]) -> None:
     through Triton's ``AsyncCompileMode`` (Triton 3.4 and later; earlier releases and the interpreter skip this and
     the launches compile as they come), and are then loaded side by side too. Nothing is launched here.
     """
-    global _compile_threads
     if key in _compiled_together or is_interpreting():
         return
     _compiled_together.add(key)
-    try:  # private API, so a Triton without it just compiles at launch
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        return
-    if _compile_threads is None:
-        from concurrent.futures import ThreadPoolExecutor
+    kernels = _compile_side_by_side(launches)
+    if kernels is not None:
+        _load_side_by_side(kernels, launches)
 
-        _compile_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kernel_lib-compile")
-    try:
-        mode = AsyncCompileMode(_compile_threads)
-    except TypeError:  # a signature this file does not know
-        return
-    compiled = []
-    try:
-        with mode:
-            for kernel, grid, args, kwargs in launches:
-                compiled.append(kernel.warmup(*args, grid=grid, **kwargs))
-    except RuntimeError as error:  # another AsyncCompileMode is active (a caller of ours compiles too)
-        if "already active" not in str(error):
-            raise
-        return
-    # A kernel is loaded at its first launch, and some Triton releases first build its C launcher there (a call
-    # of the system's C compiler, about 0.3 s): side by side too, on the launches' device.
+
+def _shared_bytes(compiled) -> int | None:
+    """The shared memory Triton allocated for a compiled kernel (``metadata.shared``), None if not reported."""
+    shared = getattr(getattr(compiled, "metadata", None), "shared", None)
+    return int(shared) if isinstance(shared, int) else None
+
+
+_fitting_choices: dict = {}
+
+
+def compile_fitting(key: tuple, launches: Sequence[tuple]) -> list[dict]:
+    """Compile each launch's first candidate config and keep the first that Triton's own count says fits.
+
+    ``launches`` holds ``(kernel, grid, args, kwargs, candidates)``: ``candidates`` are launch keywords, best
+    first (:func:`configs_that_fit` gives them from a kernel file's estimate). The estimate can miss what the
+    compiler adds (a layout-conversion scratch, one more pipeline buffer); the compiled kernel's
+    ``metadata.shared`` is the number Triton checks at launch, so a config over the device's limit moves to the
+    next candidate here instead of failing there with ``OutOfResources``. Launches compile side by side (as in
+    :func:`compile_together`). Returns the chosen keywords, one per launch, remembered under ``key`` (which must
+    change whenever Triton would compile anew); raises ValueError when no candidate of a launch fits.
+    """
+    if is_interpreting():
+        return [candidates[0] for *_, candidates in launches]
+    if key in _fitting_choices:
+        return _fitting_choices[key]
     index = device_index_of(dict(enumerate(launches[0][2]))) if launches else None
+    limit = shared_memory_limit(index if index is not None else 0)
+    position = [0] * len(launches)
+    while True:
+        trying = [(kernel, grid, args, {**kwargs, **candidates[i]})
+                  for i, (kernel, grid, args, kwargs, candidates) in zip(position, launches, strict=True)]  # fmt: skip
+        compiled = _compile_side_by_side(trying)
+        if compiled is None:  # one after another, on this thread
+            compiled = [_warmup_or_none(kernel, grid, args, kwargs) for kernel, grid, args, kwargs in trying]
+        over = [j for j, c in enumerate(compiled) if c is None or (_shared_bytes(c) or 0) > limit]
+        if not over:
+            break
+        for j in over:
+            kernel, _, _, _, candidates = launches[j]
+            if position[j] + 1 >= len(candidates):
+                need = _shared_bytes(compiled[j]) if compiled[j] is not None else None
+                name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+                raise ValueError(
+                    f"{name}: no config fits this GPU's shared memory ({limit:,} bytes a block); the smallest "
+                    f"needs {need if need is not None else 'more'} bytes. Use smaller head dims or another GPU."
+                )
+            position[j] += 1
+    if _compile_threads is not None:
+        _load_side_by_side(compiled, trying)
+    choice = [candidates[i] for i, (*_, candidates) in zip(position, launches, strict=True)]
+    _fitting_choices[key] = choice
+    return choice
 
-    def load(kernel) -> None:
-        with torch.cuda.device(index or 0):
-            kernel._init_handles()
 
-    kernels = [k.result() if hasattr(k, "result") else k for k in compiled]  # futures, resolved by now
-    loads = [_compile_threads.submit(load, k) for k in kernels if hasattr(k, "_init_handles")]  # private: may be absent
-    for future in loads:
-        try:
-            future.result()
-        except Exception:  # noqa: BLE001, S110 - the launch raises it again, with Triton's own message
-            pass
+def _warmup_or_none(kernel, grid, args, kwargs):
+    """Compile one launch without running it; None when Triton already refuses it for its resources."""
+    try:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    except Exception as error:  # noqa: BLE001 - triton's OutOfResources moved between modules across releases
+        if type(error).__name__ == "OutOfResources":
+            return None
+        raise
 
 
 def autotuned(kernel, configs: Sequence, key: list[str], smem_bytes: Callable[[object, dict], int]):

@@ -1,8 +1,9 @@
 """Flash attention in Triton: tiled attention with the online softmax, forward and backward, with causal,
 sliding-window and grouped-query attention.
 
-For q (B, Hq, N, D), k and v (B, Hkv, M, D) with Hq a multiple of Hkv (query head h reads key/value head
-h // (Hq / Hkv)) and scale s (default 1/sqrt(D))::
+For q (B, Hq, N, D), k (B, Hkv, M, D) and v (B, Hkv, M, Dv) with Hq a multiple of Hkv (query head h reads
+key/value head h // (Hq / Hkv)), any head dims up to 256 (Dv may differ from D), and scale s (default
+1/sqrt(D))::
 
     out[i] = sum_j softmax_j(s * q_i . k_j over visible j) v_j          lse[i] = log sum_j exp(s * q_i . k_j)
 
@@ -22,7 +23,12 @@ delta = rowsum(dout * out) (minus any gradient of lse) and lse in base 2. Then o
 and loops over the query blocks of every query head of its group (dK, dV, summed over the group in registers;
 computed transposed, s^T = k q^T, so no register tile is transposed); a second owns a query block and loops over
 key blocks (dQ). Only tiles on the edge of the causal or window mask apply it; rows past N and keys past M load
-as zeros, which contribute nothing. No atomics, so results are deterministic.
+as zeros, which contribute nothing. No atomics, so results are deterministic. A head dim that is not a power of
+two is padded to one inside the kernels (the padding columns load as zeros, so the scores do not change).
+
+Configs come from a heuristic per shape, and each must fit the GPU's shared memory: the estimate prunes the list,
+then the compiled kernel's own count (Triton's ``metadata.shared``) has the last word, so a config the compiler
+makes larger than estimated moves to the next one instead of failing at launch.
 
 The Triton kernels live in the sibling ``attention_kernels.py``. Registered as the
 ``kernel_lib::flash_attention_fwd`` / ``kernel_lib::flash_attention_bwd`` custom ops with fake implementations,
@@ -43,16 +49,16 @@ from ._utils import (
     check_same_device,
     check_same_dtype,
     check_tensor,
-    compile_together,
+    compile_fitting,
+    configs_that_fit,
     launch_or_op,
-    pick_config,
     use_triton,
 )
 from .attention_kernels import LOG2E, _attn_bwd_prep_kernel
 
-__all__ = ["flash_attention", "attention_ref", "MultiHeadAttention"]
+__all__ = ["flash_attention", "attention_ref", "MultiHeadAttention", "MAX_HEAD_DIM"]
 
-HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_HEAD_DIM = 256  # FlashAttention's limit too; any head dim up to it, q/k and v apart
 
 
 def _visible(N: int, M: int, causal: bool, window: Optional[int], device) -> torch.Tensor:
@@ -98,97 +104,124 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _shapes(q, k):
+def _shapes(q, k, v):
     B, Hq, N, D = q.shape
-    return B, Hq, k.shape[1], N, k.shape[2], D
+    return B, Hq, k.shape[1], N, k.shape[2], D, v.shape[-1]
 
 
-def _forward(q, k, v, causal, window, scale):
-    B, Hq, Hkv, N, M, D = _shapes(q, k)
-    out = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype)
-    lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
-    if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
-    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+def _dims(D: int, Dv: int) -> dict:
+    """The head-dim constexprs: the true dims and their power-of-two tile widths."""
+    return dict(D_QK=D, D_V=Dv, BLOCK_DQK=kernels.padded_head_dim(D), BLOCK_DV=kernels.padded_head_dim(Dv))
+
+
+def _int_key(*ints: int) -> tuple:
+    """What Triton specializes int arguments on (1, multiples of 16), for compile keys (the forward is not
+    specialized on N, M and the window: ``attention_kernels._VARYING``)."""
+    return tuple((i == 1, i % 16 == 0) for i in ints)
+
+
+def _forward_launch(q, k, v, out, lse, causal, window, scale):
+    """The forward's grid, arguments, constexpr flags and launch config for these tensors (q, k, v of unit stride
+    along the head dim); the config is the heuristic's pick that fits this GPU, compiled to check it."""
+    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v)
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)
 
-    args = (
-        q,
-        k,
-        v,
-        out,
-        lse,
-        *q.stride()[:3],
-        *k.stride()[:3],
-        *v.stride()[:3],
-        Hq,
-        N,
-        M,
-        Hq // Hkv,
-        scale * LOG2E,
-        window or 0,
-    )
-    flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    args = (q, k, v, out, lse, *strides, Hq, N, M, Hq // Hkv, scale * LOG2E, window or 0)
+    dims = _dims(D, Dv)
+    flags = dict(**dims, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
     if autotune_requested():
+        return grid, args, flags, None
+    width = dims["BLOCK_DQK"] + dims["BLOCK_DV"]
+    preferred = kernels.fwd_preferred(N, width, causal, window is not None)
+    candidates = configs_that_fit(preferred, kernels._FWD_CONFIGS[0], kernels._smem_bytes, {**dims, "q": q})
+    key = ("fwd", q.device, q.dtype, *flags.values(), *(tuple(c.items()) for c in candidates),
+           *_int_key(*strides, Hq, Hq // Hkv))  # fmt: skip
+    (config,) = compile_fitting(key, [(kernels._attn_fwd_kernel, grid, args, flags, candidates)])
+    return grid, args, flags, config
+
+
+def forward_config(q, k, v, causal: bool = False, window: Optional[int] = None) -> dict:
+    """The tiles, warps and stages the forward launches with for these inputs on their device (the smallest
+    tiles when interpreted), as the launcher picks them."""
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    config = _forward_launch(q, k, v, out, lse, causal, window, 1.0)[3]
+    if config is None:
+        raise RuntimeError("KERNEL_LIB_AUTOTUNE=1: the forward's config is Triton's autotuner's choice")
+    return config
+
+
+def _forward(q, k, v, causal, window, scale):
+    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v)
+    out = torch.empty((B, Hq, N, Dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    grid, args, flags, config = _forward_launch(q, k, v, out, lse, causal, window, scale)
+    if config is None:
         kernels._attn_fwd_tuned[grid](*args, **flags)
     else:
-        preferred = kernels.fwd_preferred(N, D, causal, window is not None)
-        config = pick_config(preferred, kernels._FWD_CONFIGS[0], kernels._smem_bytes, {"HEAD_DIM": D, "q": q})
         kernels._attn_fwd_kernel[grid](*args, **flags, **config)
     return out, lse
 
 
 def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
-    B, Hq, Hkv, N, M, D = _shapes(q, k)
+    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v)
     do = do.contiguous()
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     dq = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, Hkv, M, D), device=k.device, dtype=k.dtype)
-    dv = torch.empty((B, Hkv, M, D), device=v.device, dtype=v.dtype)
+    dv = torch.empty((B, Hkv, M, Dv), device=v.device, dtype=v.dtype)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     # One pass over out and dout: delta = rowsum(dout * out) - dlse, and lse in base 2 (+inf for a query that
-    # sees nothing, so its probabilities recompute as 0), both (B, Hq, N) float32.
-    delta_lse2 = torch.empty((2, B, Hq, N), device=q.device, dtype=torch.float32)
-    n_rows = B * Hq * N
-    block_r = max(1, 4096 // D)
-    prep_grid = (triton.cdiv(n_rows, block_r),)
+    # sees nothing, so its probabilities recompute as 0), float32, each head's row padded to a multiple of 16
+    # so the backward kernels load them aligned whatever N is (N is not specialized on).
+    stat_stride = triton.cdiv(N, 16) * 16
+    delta_lse2 = torch.empty((2, B * Hq, stat_stride), device=q.device, dtype=torch.float32)
+    dims = _dims(D, Dv)
+    block_r = max(1, 4096 // dims["BLOCK_DV"])
+    prep_grid = (triton.cdiv(N, block_r), B * Hq)
     prep_args = (out.contiguous(), do, lse.contiguous(), dlse.float().contiguous() if dlse is not None else lse,
-                 delta_lse2[0], delta_lse2[1], n_rows)  # fmt: skip
-    prep_flags = dict(HEAD_DIM=D, HAS_DLSE=dlse is not None, BLOCK_R=block_r)
+                 delta_lse2[0], delta_lse2[1], N, stat_stride)  # fmt: skip
+    prep_flags = dict(D_V=Dv, BLOCK_DV=dims["BLOCK_DV"], HAS_DLSE=dlse is not None, BLOCK_R=block_r)
     delta, lse2 = delta_lse2[0], delta_lse2[1]
-    flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
+    flags = dict(**dims, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dkdv_grid = lambda meta: (triton.cdiv(M, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
-    dkdv_args = (q, k, v, do, lse2, delta, dk, dv, *strides, Hq, Hkv, N, M, Hq // Hkv, scale, window or 0)
+    dkdv_args = (q, k, v, do, lse2, delta, dk, dv, *strides, Hq, Hkv, N, M, Hq // Hkv, stat_stride, scale, window or 0)
     dq_grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)  # noqa: E731
-    dq_args = (q, k, v, do, lse2, delta, dq, *strides, Hq, N, M, Hq // Hkv, scale, window or 0)
+    dq_args = (q, k, v, do, lse2, delta, dq, *strides, Hq, N, M, Hq // Hkv, stat_stride, scale, window or 0)
     if autotune_requested():
         _attn_bwd_prep_kernel[prep_grid](*prep_args, **prep_flags)
         kernels._attn_bwd_dkdv_tuned[dkdv_grid](*dkdv_args, **flags)
         kernels._attn_bwd_dq_tuned[dq_grid](*dq_args, **flags)
-    else:
-        smem_args = {"HEAD_DIM": D, "q": q}
-        dkdv = pick_config(
-            kernels.dkdv_preferred(N, D, causal, window), kernels._DKDV_CONFIGS[0], kernels._smem_bytes_dkdv, smem_args
-        )
-        dq_config = pick_config(
-            kernels.dq_preferred(D, causal), kernels._DQ_CONFIGS[0], kernels._smem_bytes_dq, smem_args
-        )
-        # The first backward at a new specialization compiles three kernels: side by side, not one after another.
-        ints = (n_rows, *strides, Hq, Hkv, N, M, Hq // Hkv, window or 0)
-        key = (q.device, q.dtype, dlse is not None, n_rows % 4, *flags.values(), *dkdv.values(),
-               *dq_config.values(), *((i == 1, i % 16 == 0) for i in ints))  # fmt: skip
-        compile_together(key, [
-            (_attn_bwd_prep_kernel, prep_grid, prep_args, prep_flags),
-            (kernels._attn_bwd_dkdv_kernel, dkdv_grid, dkdv_args, {**flags, **dkdv}),
-            (kernels._attn_bwd_dq_kernel, dq_grid, dq_args, {**flags, **dq_config}),
-        ])  # fmt: skip
-        _attn_bwd_prep_kernel[prep_grid](*prep_args, **prep_flags)
-        kernels._attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **dkdv)
-        kernels._attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **dq_config)
+        return dq, dk, dv
+    width = dims["BLOCK_DQK"] + dims["BLOCK_DV"]
+    smem_args = {**dims, "q": q}
+    dkdv_candidates = configs_that_fit(
+        kernels.dkdv_preferred(N, width, causal, window), kernels._DKDV_CONFIGS[0], kernels._smem_bytes_dkdv, smem_args
+    )
+    dq_candidates = configs_that_fit(
+        kernels.dq_preferred(width, causal), kernels._DQ_CONFIGS[0], kernels._smem_bytes_dq, smem_args
+    )
+    # The first backward at a new specialization compiles three kernels: side by side, not one after another;
+    # each keeps the first candidate whose compiled shared memory fits the device.
+    key = (q.device, q.dtype, dlse is not None, *flags.values(), *(tuple(c.items()) for c in dkdv_candidates),
+           *(tuple(c.items()) for c in dq_candidates), *_int_key(*strides, Hq, Hkv, Hq // Hkv, N, M))  # fmt: skip
+    _, dkdv, dq_config = compile_fitting(key, [
+        (_attn_bwd_prep_kernel, prep_grid, prep_args, prep_flags, [{}]),
+        (kernels._attn_bwd_dkdv_kernel, dkdv_grid, dkdv_args, flags, dkdv_candidates),
+        (kernels._attn_bwd_dq_kernel, dq_grid, dq_args, flags, dq_candidates),
+    ])  # fmt: skip
+    _attn_bwd_prep_kernel[prep_grid](*prep_args, **prep_flags)
+    kernels._attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **dkdv)
+    kernels._attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **dq_config)
     return dq, dk, dv
 
 
@@ -259,24 +292,26 @@ def flash_attention(
     scale: Optional[float] = None,
     return_lse: bool = False,
 ):
-    """Attention of q (B, Hq, N, D) over k, v (B, Hkv, M, D), Hq a multiple of Hkv, float16 or bfloat16.
+    """Attention of q (B, Hq, N, D) over k (B, Hkv, M, D) and v (B, Hkv, M, Dv), Hq a multiple of Hkv, float16
+    or bfloat16, any head dims D and Dv up to 256 (Dv may differ from D, as in multi-head latent attention).
 
     ``causal`` aligns the mask bottom-right (query i sees keys j <= i + M - N; PyTorch's ``is_causal`` when
     N = M); ``window=W`` (with causal) also hides keys j <= i + M - N - W. ``scale`` defaults to 1/sqrt(D).
-    Returns out (B, Hq, N, D) in q's dtype, and with ``return_lse`` also the float32 log-sum-exp (B, Hq, N).
+    Returns out (B, Hq, N, Dv) in q's dtype, and with ``return_lse`` also the float32 log-sum-exp (B, Hq, N).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, dtypes=(torch.float16, torch.bfloat16), ndim=4)
     check_same_dtype(q=q, k=k, v=v)
     check_same_device(q=q, k=k, v=v)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree on batch, heads and length, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
+    for name, t in (("q and k", q), ("v", v)):
+        if not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim of {name} must be between 1 and {MAX_HEAD_DIM}, got {t.shape[-1]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if window is not None:

@@ -24,35 +24,70 @@ def _configs(*rows: tuple[int, int, int, int]) -> list:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in rows]
 
 
-def _tiles_bytes(config, args, held: tuple[str, int], streamed: tuple[str, int]) -> int:
-    """Shared memory of one program: ``held`` tiles (block name, count) stay; ``streamed`` ones are buffered once per
-    pipeline stage but the last. Tiles are (block, HEAD_DIM) in 2-byte elements."""
-    d = args.get("HEAD_DIM", 128)
-    stages = max(1, config.num_stages - 1)
-    return 2 * d * (held[1] * config.kwargs[held[0]] + streamed[1] * config.kwargs[streamed[0]] * stages)
+def _tiles_bytes(config, args, held: str, streamed: str) -> int:
+    """Shared memory of one program as Triton allocates it on Hopper (triton 3.6 asked 262,144 bytes for the
+    forward at D = 256, BLOCK_M 128, BLOCK_N 64, 3 stages: exactly this count). ``held``: the block of rows whose
+    q/k-wide and v-wide tiles stay for the whole program; ``streamed``: the block whose two tiles are buffered once
+    per pipeline stage. Tiles are 2-byte elements, padded to the power-of-two head dims BLOCK_DQK and BLOCK_DV."""
+    width = args.get("BLOCK_DQK", 128) + args.get("BLOCK_DV", args.get("BLOCK_DQK", 128))
+    stages = max(1, config.num_stages)
+    return 2 * width * (config.kwargs[held] + config.kwargs[streamed] * stages)
 
 
 def _smem_bytes(config, args) -> int:
-    return _tiles_bytes(config, args, held=("BLOCK_M", 1), streamed=("BLOCK_N", 2))  # q held; k, v streamed
+    # q held (counted at q/k's width plus v's: the output tile's staging); k, v streamed
+    return _tiles_bytes(config, args, held="BLOCK_M", streamed="BLOCK_N")
 
 
-_FWD_CONFIGS = _configs((32, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4))
+_FWD_CONFIGS = _configs(
+    (32, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 32, 4, 2), (128, 32, 8, 3),
+)  # fmt: skip
 
 
-def fwd_preferred(N: int, D: int, causal: bool, window: bool) -> list:
-    """Forward configs for this shape, best first. 128-query tiles win once each program has many key blocks to
-    stream; windowed rows, and causal rows shorter than 2,048 keys, leave too little work per tile for them."""
-    small, large = _FWD_CONFIGS[1], _FWD_CONFIGS[2]
+def padded_head_dim(D: int) -> int:
+    """The power-of-two tile width (at least 16, tl.dot's smallest) that holds a head dim of D."""
+    return max(16, 1 << (D - 1).bit_length())
+
+
+def fwd_preferred(N: int, width: int, causal: bool, window: bool) -> list:
+    """Forward configs for this shape, best first; ``width`` is BLOCK_DQK + BLOCK_DV. 128-query tiles win once each
+    program has many key blocks to stream; windowed rows, and causal rows shorter than 2,048 keys, leave too little
+    work per tile for them. Heads wider than 128 stream 32 keys a step: 64 with three stages do not fit in shared
+    memory (H200 sweep at D = 256 and 192/128 in benchmarks/NOTES.md)."""
     few_keys = window or (causal and N < 2048)
+    if width > 256:
+        wide, narrow = _FWD_CONFIGS[6], _FWD_CONFIGS[5]
+        return [narrow, wide, _FWD_CONFIGS[0]] if few_keys else [wide, narrow, _FWD_CONFIGS[0]]
+    small, large = _FWD_CONFIGS[1], _FWD_CONFIGS[2]
     return [small, _FWD_CONFIGS[0]] if few_keys else [large, small, _FWD_CONFIGS[0]]
 
 
 @triton.jit
-def _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32: tl.constexpr):
-    """One (BLOCK_N, HEAD_DIM) tile each of k and v; rows past M read as 0; upcast when the dot needs float32."""
-    kv_mask = offs_n[:, None] < M
-    k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+def _load_tile(base, offs_r, stride_r, n_rows, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (rows, BLOCK_D) tile with unit stride along d; rows past n_rows and columns past D read as 0 (zero
+    columns add nothing to a dot product, so a padded head dim computes the same scores)."""
+    mask = offs_r[:, None] < n_rows
+    if D < BLOCK_D:
+        mask = mask & (offs_d[None, :] < D)
+    return tl.load(base + offs_r[:, None] * stride_r + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(base, value, offs_r, stride_r, n_rows, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store a (rows, BLOCK_D) tile, cast to the destination's dtype, leaving rows past n_rows and columns past D."""
+    mask = offs_r[:, None] < n_rows
+    if D < BLOCK_D:
+        mask = mask & (offs_d[None, :] < D)
+    tl.store(base + offs_r[:, None] * stride_r + offs_d[None, :], value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK: tl.constexpr, D_V: tl.constexpr,
+             BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+    """One (BLOCK_N, BLOCK_DQK) tile of k and one (BLOCK_N, BLOCK_DV) of v; rows past M and columns past the head
+    dims read as 0; upcast when the dot needs float32."""
+    k = _load_tile(k_base, offs_n, skn, M, offs_dk, D_QK, BLOCK_DQK)
+    v = _load_tile(v_base, offs_n, svn, M, offs_dv, D_V, BLOCK_DV)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -99,22 +134,23 @@ def _head_base(ptr, b, h, stride_b, stride_h):
 
 @triton.jit
 def _query_block(q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """This program's first query, (batch * head) index, query and head-dim offsets, and the q, k and v pointers to
-    position 0 of its query head and of the key/value head that head reads (the forward and dQ kernels). Under a
-    causal mask the last query blocks see the most keys; they get the first program ids, so the longest programs
-    start first and the short ones fill the tail."""
+                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """This program's first query, (batch * head) index, query offsets, q/k and v head-dim offsets, and the q, k
+    and v pointers to position 0 of its query head and of the key/value head that head reads (the forward and dQ
+    kernels). Under a causal mask the last query blocks see the most keys; they get the first program ids, so the
+    longest programs start first and the short ones fill the tail."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
     hk = h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q_base = _head_base(q_ptr, b, h, sqb, sqh)
     k_base = _head_base(k_ptr, b, hk, skb, skh)
     v_base = _head_base(v_ptr, b, hk, svb, svh)
-    return start_m, bh, offs_m, offs_d, q_base, k_base, v_base
+    return start_m, bh, offs_m, offs_dk, offs_dv, q_base, k_base, v_base
 
 
 @triton.jit
@@ -151,15 +187,16 @@ def _key_blocks(start_m, N, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAU
 @triton.jit
 def _fwd_steps(
     acc, l_i, m_i, q,  # running output, sum and max of this program's queries; its q tile
-    k_base, v_base, offs_m, offs_d, skn, svn,
+    k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
     k_start, k_end,  # key blocks [k_start, k_end), k_start a multiple of BLOCK_N
     N, M, qk_scale, WINDOW_SIZE,
     MASK: tl.constexpr,  # apply key-range, causal and window masks (only blocks on their edge need them)
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
+        k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
         if MASK:
             s = _mask_scores(s, offs_m, offs_n, N, M, CAUSAL, WINDOW, WINDOW_SIZE)
@@ -175,10 +212,15 @@ def _fwd_steps(
     return acc, l_i, m_i
 
 
-@triton.jit
+# N, M and the window vary from call to call: the forward is not specialized on them (a new length compiles
+# nothing new). The backward kernels are, on N and M: unspecialized, they ran 3-6% slower at D = 64 and 128 (H200).
+_VARYING = ["N", "M", "WINDOW_SIZE"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D), (B, Hkv, M, D), (B, Hkv, M, D); unit stride along D
-    out_ptr,  # (B, Hq, N, D) contiguous, q's dtype
+    q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D_QK), (B, Hkv, M, D_QK), (B, Hkv, M, D_V); unit stride along the head dim
+    out_ptr,  # (B, Hq, N, D_V) contiguous, q's dtype
     lse_ptr,  # (B, Hq, N) float32, natural log
     sqb, sqh, sqn,  # q strides: batch, head, position
     skb, skh, skn,  # k strides
@@ -187,108 +229,129 @@ def _attn_fwd_kernel(
     GROUP,  # query heads per key/value head
     qk_scale,  # scale * log2(e): scores are kept in base 2
     WINDOW_SIZE,  # window length W (used when WINDOW)
-    HEAD_DIM: tl.constexpr,  # D
+    D_QK: tl.constexpr,  # head dim of q and k
+    D_V: tl.constexpr,  # head dim of v and out
+    BLOCK_DQK: tl.constexpr,  # D_QK padded to a power of two (padding columns load as 0)
+    BLOCK_DV: tl.constexpr,  # D_V padded likewise
     CAUSAL: tl.constexpr,  # bottom-right causal mask
     WINDOW: tl.constexpr,  # sliding window on top of causal
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter's bf16 dot is wrong)
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    start_m, bh, offs_m, offs_d, q_base, k_base, v_base = _query_block(
-        q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP, HEAD_DIM, BLOCK_M
+    start_m, bh, offs_m, offs_dk, offs_dv, q_base, k_base, v_base = _query_block(
+        q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP, BLOCK_DQK, BLOCK_DV, BLOCK_M
     )
-    q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
+    q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
     if DOT_FP32:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of base-2 scores
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of 2^(score - m_i)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # unnormalized output
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # unnormalized output
     # Key blocks [full_lo, full_hi) are whole (inside M) and seen by every query of the block: no mask. The
     # blocks before (window edge) and after (causal edge, ragged end of the keys: -inf scores) are masked.
     lo, hi, full_lo, full_hi = _key_blocks(start_m, N, M, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, WINDOW_SIZE, True)
     if WINDOW:
-        acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, skn, svn, lo, full_lo,
-                                   N, M, qk_scale, WINDOW_SIZE, True, CAUSAL, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
-    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, skn, svn, full_lo, full_hi,
-                               N, M, qk_scale, WINDOW_SIZE, False, CAUSAL, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
-    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, skn, svn, full_hi, hi,
-                               N, M, qk_scale, WINDOW_SIZE, True, CAUSAL, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
+        acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, lo, full_lo,
+                                   N, M, qk_scale, WINDOW_SIZE, True, CAUSAL, WINDOW, DOT_FP32, BLOCK_N,
+                                   D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, full_lo, full_hi,
+                               N, M, qk_scale, WINDOW_SIZE, False, CAUSAL, WINDOW, DOT_FP32, BLOCK_N,
+                               D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, full_hi, hi,
+                               N, M, qk_scale, WINDOW_SIZE, True, CAUSAL, WINDOW, DOT_FP32, BLOCK_N,
+                               D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
-    row = bh.to(tl.int64) * N + offs_m
-    tl.store(
-        out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < N
-    )
-    tl.store(lse_ptr + row, lse, mask=offs_m < N)
+    row_base = bh.to(tl.int64) * N
+    _store_tile(out_ptr + row_base * D_V, out, offs_m, D_V, N, offs_dv, D_V, BLOCK_DV)
+    tl.store(lse_ptr + row_base + offs_m, lse, mask=offs_m < N)
 
 
 # Backward configs, one list per kernel: the dK/dV kernel holds BLOCK_N keys and streams BLOCK_M queries (and
 # dout) past them, the dQ kernel the other way round; each kernel's smem estimate counts the streamed tiles.
-_DKDV_CONFIGS = _configs((32, 32, 4, 2), (32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 3), (64, 64, 4, 3))
-_DQ_CONFIGS = _configs((32, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 3), (64, 64, 4, 3))
+_DKDV_CONFIGS = _configs(
+    (32, 32, 4, 2), (32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 2),
+)  # fmt: skip
+_DQ_CONFIGS = _configs(
+    (32, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2),
+)  # fmt: skip
 
 
-def dkdv_preferred(N: int, D: int, causal: bool, window: Optional[int] = None) -> list:
-    """dK/dV configs, best first: 128 keys held per program; with small heads, 64 keys, unless many queries
-    stream past each key block (causal rows of 2,048 or more, windows wider than 2,048)."""
-    if D >= 128:
+def dkdv_preferred(N: int, width: int, causal: bool, window: Optional[int] = None) -> list:
+    """dK/dV configs, best first (``width``: BLOCK_DQK + BLOCK_DV): 128 keys held per program; with small heads, 64
+    keys, unless many queries stream past each key block (causal rows of 2,048 or more, windows wider than 2,048).
+    Wider heads hold 64 keys over two stages, streaming 64 queries at 256/256 and 32 at 256/128."""
+    if width > 384:
+        return [_DKDV_CONFIGS[5], _DKDV_CONFIGS[6], _DKDV_CONFIGS[0]]
+    if width > 256:
+        return [_DKDV_CONFIGS[6], _DKDV_CONFIGS[5], _DKDV_CONFIGS[0]]
+    if width >= 256:
         return [_DKDV_CONFIGS[3], _DKDV_CONFIGS[4], _DKDV_CONFIGS[0]]
     if causal and (N >= 2048 if window is None else window > 2048):
         return [_DKDV_CONFIGS[1], _DKDV_CONFIGS[4], _DKDV_CONFIGS[0]]
     return [_DKDV_CONFIGS[4], _DKDV_CONFIGS[0]]
 
 
-def dq_preferred(D: int, causal: bool) -> list:
-    """dQ configs, best first: 128-query tiles, except small heads under a causal mask."""
-    if D <= 64 and causal:
+def dq_preferred(width: int, causal: bool) -> list:
+    """dQ configs, best first (``width``: BLOCK_DQK + BLOCK_DV): 128-query tiles, except small heads under a causal
+    mask; wider heads hold 64 queries over two stages."""
+    if width > 256:
+        return [_DQ_CONFIGS[5], _DQ_CONFIGS[6], _DQ_CONFIGS[0]]
+    if width <= 128 and causal:
         return [_DQ_CONFIGS[4], _DQ_CONFIGS[0]]
     return [_DQ_CONFIGS[3], _DQ_CONFIGS[4], _DQ_CONFIGS[0]]
 
 
 def _smem_bytes_dkdv(config, args) -> int:
-    return _tiles_bytes(config, args, held=("BLOCK_N", 2), streamed=("BLOCK_M", 2))  # k, v held; q, dout streamed
+    return _tiles_bytes(config, args, held="BLOCK_N", streamed="BLOCK_M")  # k, v held; q, dout streamed
 
 
 def _smem_bytes_dq(config, args) -> int:
-    return _tiles_bytes(config, args, held=("BLOCK_M", 2), streamed=("BLOCK_N", 2))  # q, dout held; k, v streamed
+    return _tiles_bytes(config, args, held="BLOCK_M", streamed="BLOCK_N")  # q, dout held; k, v streamed
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _attn_bwd_prep_kernel(
-    out_ptr, do_ptr,  # (rows, D) contiguous each: the forward's output and its gradient
-    lse_ptr,  # (rows,) float32: the forward's log-sum-exp (natural log; -inf for a query that sees no key)
-    dlse_ptr,  # (rows,) float32: gradient flowing into lse; unused when HAS_DLSE is False
-    delta_ptr,  # output (rows,) float32: rowsum(dout * out) - dlse
-    lse2_ptr,  # output (rows,) float32: lse in base 2, +inf where lse is -inf (so that 2^(s - lse2) = 0)
-    n_rows,  # B * Hq * N
-    HEAD_DIM: tl.constexpr, HAS_DLSE: tl.constexpr,
-    BLOCK_R: tl.constexpr,  # rows per program
+    out_ptr, do_ptr,  # (B * Hq * N, D_V) contiguous each: the forward's output and its gradient
+    lse_ptr,  # (B * Hq * N,) float32: the forward's log-sum-exp (natural log; -inf for a query that sees no key)
+    dlse_ptr,  # (B * Hq * N,) float32: gradient flowing into lse; unused when HAS_DLSE is False
+    delta_ptr,  # output (B * Hq, STAT_STRIDE) float32: rowsum(dout * out) - dlse
+    lse2_ptr,  # output (B * Hq, STAT_STRIDE) float32: lse in base 2, +inf where lse is -inf (so 2^(s - lse2) = 0)
+    N,  # queries per head
+    STAT_STRIDE,  # N rounded up to a multiple of 16: each head's statistics start 64-byte aligned
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # head dim of out, and its power-of-two padding
+    HAS_DLSE: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # queries per program
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = rows < n_rows
-    offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
-    out = tl.load(out_ptr + ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    offs_n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    bh = tl.program_id(1).to(tl.int64)
+    n_mask = offs_n < N
+    offs_d = tl.arange(0, BLOCK_DV)
+    rows = bh * N + offs_n  # in out, dout, lse, dlse
+    out = _load_tile(out_ptr, rows, D_V, bh * N + N, offs_d, D_V, BLOCK_DV).to(tl.float32)
+    do = _load_tile(do_ptr, rows, D_V, bh * N + N, offs_d, D_V, BLOCK_DV).to(tl.float32)
     delta = tl.sum(out * do, axis=1)
     if HAS_DLSE:
-        delta -= tl.load(dlse_ptr + rows, mask=row_mask, other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+        delta -= tl.load(dlse_ptr + rows, mask=n_mask, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=n_mask, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    tl.store(delta_ptr + rows, delta, mask=row_mask)
-    tl.store(lse2_ptr + rows, lse2, mask=row_mask)
+    stats = bh * STAT_STRIDE + offs_n
+    tl.store(delta_ptr + stats, delta, mask=n_mask)
+    tl.store(lse2_ptr + stats, lse2, mask=n_mask)
 
 
 @triton.jit
 def _dkdv_steps(
-    dk, dv, k, v,  # (BLOCK_N, D) float32 accumulators; this program's key and value tiles
+    dk, dv, k, v,  # (BLOCK_N, BLOCK_DQK / BLOCK_DV) float32 accumulators; this program's key and value tiles
     q_base, do_base, lse2_base, delta_base,  # pointers to row 0 of this query head
-    offs_n, offs_d, sqn,  # this program's key positions, the head dim, q's position stride
+    offs_n, offs_dk, offs_dv, sqn,  # this program's key positions, the head dims, q's position stride
     q_start, q_end,  # query blocks [q_start, q_end), q_start a multiple of BLOCK_M
     N, M, qk_scale, WINDOW_SIZE,
     MASK: tl.constexpr,  # apply the causal/window mask (only blocks on its edge need it)
-    WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     # Computed transposed, keys along rows (s^T = k q^T), so p^T and ds^T come out of their dots already in the
     # layout the next dots take (dv += p^T dout, dk += ds^T q): no transpose of a register tile.
@@ -296,8 +359,8 @@ def _dkdv_steps(
     for start_m in range(q_start, q_end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_valid = offs_m < N
-        q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+        q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
+        do = _load_tile(do_base, offs_m, D_V, N, offs_dv, D_V, BLOCK_DV)
         lse2 = tl.load(lse2_base + offs_m, mask=m_valid, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=m_valid, other=0.0)
         if DOT_FP32:
@@ -312,18 +375,21 @@ def _dkdv_steps(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["WINDOW_SIZE"])
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # q (B, Hq, N, D), k and v (B, Hkv, M, D), dout (B, Hq, N, D) contiguous
-    lse2_ptr, delta_ptr,  # (B, Hq, N) float32: base-2 log-sum-exp and rowsum(dout * out), from the prep kernel
-    dk_ptr, dv_ptr,  # outputs (B, Hkv, M, D) contiguous
+    q_ptr, k_ptr, v_ptr, do_ptr,  # q (B, Hq, N, D_QK), k (B, Hkv, M, D_QK), v (B, Hkv, M, D_V), dout contiguous
+    lse2_ptr, delta_ptr,  # (B * Hq, STAT_STRIDE) float32: base-2 log-sum-exp and rowsum(dout * out), from prep
+    dk_ptr, dv_ptr,  # outputs (B, Hkv, M, D_QK) and (B, Hkv, M, D_V) contiguous
     sqb, sqh, sqn,  # q strides
     skb, skh, skn,  # k strides
     svb, svh, svn,  # v strides
     Hq, Hkv, N, M, GROUP,  # heads, lengths, query heads per key/value head
+    STAT_STRIDE,  # row stride of lse2 and delta (a multiple of 16)
     scale,  # softmax scale
     WINDOW_SIZE,  # window length W (used when WINDOW)
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr,  # head dims, and their power-of-two paddings
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # queries per step
     BLOCK_N: tl.constexpr,  # keys per program
 ):  # fmt: skip
@@ -331,12 +397,13 @@ def _attn_bwd_dkdv_kernel(
     bhk = tl.program_id(1)
     b, hk = bhk // Hkv, bhk % Hkv
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
     k_base = _head_base(k_ptr, b, hk, skb, skh)
     v_base = _head_base(v_ptr, b, hk, svb, svh)
-    k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # Query blocks, bottom-right alignment (offset M - N): [q_lo, full_lo) and [full_hi, q_hi) see part of this
     # key block (masked), [full_lo, full_hi) see all of it (no mask); without a mask, all of [0, N) is full.
     q_lo = 0
@@ -357,39 +424,39 @@ def _attn_bwd_dkdv_kernel(
         h = hk * GROUP + g
         q_base = _head_base(q_ptr, b, h, sqb, sqh)
         row_base = (b * Hq + h).to(tl.int64) * N
-        do_base = do_ptr + row_base * HEAD_DIM
-        lse2_base = lse2_ptr + row_base
-        delta_base = delta_ptr + row_base
+        do_base = do_ptr + row_base * D_V
+        lse2_base = lse2_ptr + (b * Hq + h).to(tl.int64) * STAT_STRIDE
+        delta_base = delta_ptr + (b * Hq + h).to(tl.int64) * STAT_STRIDE
         if CAUSAL:
-            dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_d, sqn,
-                                 q_lo, full_lo, N, M, qk_scale, WINDOW_SIZE,
-                                 True, WINDOW, DOT_FP32, HEAD_DIM, BLOCK_M)  # fmt: skip
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_d, sqn,
-                             full_lo, full_hi, N, M, qk_scale, WINDOW_SIZE,
-                             False, WINDOW, DOT_FP32, HEAD_DIM, BLOCK_M)  # fmt: skip
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv,
+                                 sqn, q_lo, full_lo, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_M,
+                                 D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv,
+                             sqn, full_lo, full_hi, N, M, qk_scale, WINDOW_SIZE, False, WINDOW, DOT_FP32, BLOCK_M,
+                             D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
         if WINDOW:
-            dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_d, sqn,
-                                 full_hi, q_hi, N, M, qk_scale, WINDOW_SIZE,
-                                 True, WINDOW, DOT_FP32, HEAD_DIM, BLOCK_M)  # fmt: skip
-    kv_mask = offs_n[:, None] < M
-    out_rows = (bhk.to(tl.int64) * M + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
-    tl.store(dk_ptr + out_rows, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptr + out_rows, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv,
+                                 sqn, full_hi, q_hi, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_M,
+                                 D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+    kv_row = bhk.to(tl.int64) * M
+    _store_tile(dk_ptr + kv_row * D_QK, dk * scale, offs_n, D_QK, M, offs_dk, D_QK, BLOCK_DQK)
+    _store_tile(dv_ptr + kv_row * D_V, dv, offs_n, D_V, M, offs_dv, D_V, BLOCK_DV)
 
 
 @triton.jit
 def _dq_steps(
-    dq, q, do, lse2, delta,  # (BLOCK_M, D) float32 accumulator; this program's q, dout; its lse2 and delta
-    k_base, v_base, offs_m, offs_d, skn, svn,
+    dq, q, do, lse2, delta,  # (BLOCK_M, BLOCK_DQK) float32 accumulator; this program's q, dout; its lse2, delta
+    k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
     k_start, k_end,  # key blocks [k_start, k_end), k_start a multiple of BLOCK_N
     N, M, qk_scale, WINDOW_SIZE,
     MASK: tl.constexpr,  # apply the causal/window mask (only blocks on its edge need it)
     WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     # Keys past M need no mask: their k and v load as 0, so they add nothing to dq.
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(k_base, v_base, offs_n, offs_d, skn, svn, M, DOT_FP32)
+        k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
         if MASK:
             p = tl.where(_sees(offs_n[None, :], offs_m[:, None], N, M, WINDOW, WINDOW_SIZE), p, 0.0)
@@ -398,49 +465,54 @@ def _dq_steps(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["WINDOW_SIZE"])
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # as in the dK/dV kernel
-    lse2_ptr, delta_ptr,  # (B, Hq, N) float32
-    dq_ptr,  # output (B, Hq, N, D) contiguous
+    lse2_ptr, delta_ptr,  # (B * Hq, STAT_STRIDE) float32
+    dq_ptr,  # output (B, Hq, N, D_QK) contiguous
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,  # strides of q, k, v
     Hq, N, M, GROUP,  # heads, lengths, query heads per key/value head
+    STAT_STRIDE,  # row stride of lse2 and delta (a multiple of 16)
     scale,  # softmax scale
     WINDOW_SIZE,  # window length W (used when WINDOW)
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr,  # head dims, and their power-of-two paddings
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    start_m, bh, offs_m, offs_d, q_base, k_base, v_base = _query_block(
-        q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP, HEAD_DIM, BLOCK_M
+    start_m, bh, offs_m, offs_dk, offs_dv, q_base, k_base, v_base = _query_block(
+        q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP, BLOCK_DQK, BLOCK_DV, BLOCK_M
     )
-    q_mask = offs_m[:, None] < N
-    row = bh.to(tl.int64) * N + offs_m
-    q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(do_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0)
-    lse2 = tl.load(lse2_ptr + row, mask=offs_m < N, other=0.0)
-    delta = tl.load(delta_ptr + row, mask=offs_m < N, other=0.0)
+    row_base = bh.to(tl.int64) * N
+    q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
+    do = _load_tile(do_ptr + row_base * D_V, offs_m, D_V, N, offs_dv, D_V, BLOCK_DV)
+    lse2 = tl.load(lse2_ptr + bh.to(tl.int64) * STAT_STRIDE + offs_m, mask=offs_m < N, other=0.0)
+    delta = tl.load(delta_ptr + bh.to(tl.int64) * STAT_STRIDE + offs_m, mask=offs_m < N, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     # Key blocks [lo, full_lo) and [full_hi, hi) are seen by part of this query block (masked), [full_lo, full_hi)
     # by all of it; keys past M load as zeros here, which add nothing to dq, so the ragged end needs no mask.
     lo, hi, full_lo, full_hi = _key_blocks(start_m, N, M, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, WINDOW_SIZE, False)
     qk_scale = scale * 1.4426950408889634
     if WINDOW:
-        dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, skn, svn,
-                       lo, full_lo, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
-    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, skn, svn,
-                   full_lo, full_hi, N, M, qk_scale, WINDOW_SIZE, False, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
+        dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
+                       lo, full_lo, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_N,
+                       D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
+                   full_lo, full_hi, N, M, qk_scale, WINDOW_SIZE, False, WINDOW, DOT_FP32, BLOCK_N,
+                   D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
     if CAUSAL:
-        dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, skn, svn,
-                       full_hi, hi, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_N)  # fmt: skip
-    tl.store(dq_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
+        dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
+                       full_hi, hi, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_N,
+                       D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+    _store_tile(dq_ptr + row_base * D_QK, dq * scale, offs_m, D_QK, N, offs_dk, D_QK, BLOCK_DQK)
 
 
 # The same kernels under triton.autotune, launched instead when KERNEL_LIB_AUTOTUNE=1.
-_TUNING_KEY = ["N", "M", "HEAD_DIM", "CAUSAL", "WINDOW"]
+_TUNING_KEY = ["N", "M", "D_QK", "D_V", "CAUSAL", "WINDOW"]
 _attn_fwd_tuned = autotuned(_attn_fwd_kernel, _FWD_CONFIGS, _TUNING_KEY, _smem_bytes)
 _attn_bwd_dkdv_tuned = autotuned(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS, _TUNING_KEY, _smem_bytes_dkdv)
 _attn_bwd_dq_tuned = autotuned(_attn_bwd_dq_kernel, _DQ_CONFIGS, _TUNING_KEY, _smem_bytes_dq)

@@ -280,7 +280,7 @@ BAD_CONFIGS = [  # (changes to TINY, words)
     ({"max_seq_len": 16.0}, "max_seq_len must be a positive integer"),  # a float, not an int
     ({"rope_base": 0.0}, "rope_base must be > 0"),
     ({"norm_eps": -1e-6}, "norm_eps >= 0"),
-    ({"d_model": 32, "impl": "kernel_lib"}, "head dim in"),  # head dim 8: not one of flash_attention's
+    ({"d_model": 1040, "impl": "kernel_lib"}, "head dim of at most 256"),  # head dim 260: past flash_attention's
 ]
 
 
