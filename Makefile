@@ -152,9 +152,14 @@ check-html: $(BOOK_ENV) chromium ## Open every page of the built book in headles
 	$(PYTHON) tools/check_html.py --html _build/html --screens _build/screens
 
 # ------------------------------------------------------------------------------------------------ tests
+# The CPU suite runs CPU_WORKERS pytest processes (the interpreter keeps one core busy each): a test file stays on one
+# worker unless it groups its tests itself (--dist loadgroup, tests/conftest.py), a notebook always does. Each pass
+# ends with its ten slowest tests, or each notebook's time (conftest.py).
+CPU_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
+
 test: $(DEV_ENV) chromium ## CPU suite: pytest, nbval over every notebook (Triton interpreted), strict book build, check-html
-	$(RUN) TRITON_INTERPRET=1 $(PYTHON) -m pytest tests
-	$(RUN) TRITON_INTERPRET=1 $(PYTHON) -m pytest $(NBVAL) $(NOTEBOOKS)
+	$(RUN) TRITON_INTERPRET=1 $(PYTHON) -m pytest -n $(CPU_WORKERS) --dist loadgroup --durations=10 tests
+	$(RUN) TRITON_INTERPRET=1 $(PYTHON) -m pytest -n $(CPU_WORKERS) --dist loadfile $(NBVAL) $(NOTEBOOKS)
 	$(MAKE) book-strict
 	$(MAKE) check-html FRESH_BOOK=1
 
