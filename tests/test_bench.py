@@ -243,7 +243,7 @@ def test_sweep_checks_then_times_and_returns_a_frame():
 
 def test_sweep_refuses_a_wrong_implementation_before_timing(monkeypatch):
     timed = []
-    monkeypatch.setattr(bench, "time_fn", lambda *args, **kwargs: timed.append(1))
+    monkeypatch.setattr(bench.timing, "time_fn", lambda *args, **kwargs: timed.append(1))  # what sweep calls
     impls = {"right": _scale, "off by one": lambda x, s: x * s + 1}
     with pytest.raises(AssertionError, match=r"off by one at \{'n': 16\}"):
         bench.sweep(impls, [{"n": 16}], _make_scale_inputs, _scale, progress=False)

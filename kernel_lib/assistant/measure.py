@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import bench
+from ..bench import timing as clock  # the timing module alone: no pandas, plots or ceilings
 
 
 def loss_of(output) -> torch.Tensor:
@@ -59,7 +59,7 @@ def forward_only(model: torch.nn.Module, args: tuple, kwargs: dict):
         return model(*args, **kwargs)
 
 
-StepCost, Profile = bench.StepCost, bench.KernelProfile
+StepCost, Profile = clock.StepCost, clock.KernelProfile
 
 
 def device_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
@@ -69,9 +69,9 @@ def device_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device
 
 
 def step_cost(model, args, kwargs, *, train: bool = True, warmup_ms: float = 50, rep_ms: float = 300) -> StepCost:
-    """Median time of a step (forward + backward, or forward alone) and its peak memory (``bench.step_cost``)."""
+    """Median time of a step (forward + backward, or forward alone) and its peak memory (``clock.step_cost``)."""
     fn = (lambda: train_step(model, args, kwargs)) if train else (lambda: forward_only(model, args, kwargs))
-    cost = bench.step_cost(fn, device_of(model, args, kwargs), warmup_ms=warmup_ms, rep_ms=rep_ms)
+    cost = clock.step_cost(fn, device_of(model, args, kwargs), warmup_ms=warmup_ms, rep_ms=rep_ms)
     if train:
         for p in model.parameters():
             p.grad = None
@@ -79,12 +79,12 @@ def step_cost(model, args, kwargs, *, train: bool = True, warmup_ms: float = 50,
 
 
 def profile_step(model, args, kwargs, *, train: bool = True, steps: int = 3) -> Profile | None:
-    """Kernels per step and device-busy time (``bench.profile_kernels``); None without a GPU."""
+    """Kernels per step and device-busy time (``clock.profile_kernels``); None without a GPU."""
     device = device_of(model, args, kwargs)
     if device.type != "cuda":
         return None
     fn = (lambda: train_step(model, args, kwargs)) if train else (lambda: forward_only(model, args, kwargs))
-    profile = bench.profile_kernels(fn, device, steps)
+    profile = clock.profile_kernels(fn, device, steps)
     if train:
         for p in model.parameters():
             p.grad = None  # the profile leaves the reader's model as it found it

@@ -104,11 +104,6 @@ class OptimizationResult:
             )
         return pd.DataFrame(rows).set_index("model")
 
-    def waterfall_frame(self):
-        import pandas as pd
-
-        return pd.DataFrame([vars(s) for s in self.waterfall])
-
     def apply(self, techniques: list[str]):
         """Apply the validated fixes with these technique names (what the notebook form calls)."""
         chosen = [o for o in self.optimization_opportunities if o.technique in techniques and o.validated]

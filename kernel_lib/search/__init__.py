@@ -1,6 +1,6 @@
 """Monte Carlo graph search over kernel variants: the tool a reader runs on their own Triton or CUDA kernel.
 
-    python -m kernel_lib.search --input specs/rms_norm.json --outdir out --budget-builds 50
+    python -m kernel_lib.search --input specs/rms_norm.json --outdir out --budget 50
     python -m kernel_lib.search --help
 
 or from Python::
@@ -16,9 +16,9 @@ widening, backpropagation), ``search`` (the loop and ``optimize``), ``worker`` a
 graph), ``store`` (the files a run leaves), ``strategies`` (exhaustive, random and pattern search to compare with).
 """
 
-__all__ = ["KernelSpec", "SearchResult", "Settings", "SpecError", "find_specs", "load_spec", "optimize", "optimize_all"]
+__all__ = ["KernelSpec", "SearchResult", "Settings", "SpecError", "find_specs", "load_spec", "optimize"]
 
-_WHERE = {"SearchResult": "search", "Settings": "search", "optimize": "search", "optimize_all": "search"}
+_WHERE = {"SearchResult": "search", "Settings": "search", "optimize": "search"}
 
 
 def __getattr__(name: str):

@@ -12,17 +12,22 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m kernel_lib.search",
         description="Monte Carlo graph search over variants of a Triton or CUDA kernel, from a JSON spec.",
         epilog="Examples:\n"
-        "  python -m kernel_lib.search --input specs/rms_norm.json --outdir out --gpus 0,1 --budget-builds 50\n"
-        "  python -m kernel_lib.search --input specs/ --no-llm --budget-builds 20\n"
+        "  python -m kernel_lib.search --input specs/rms_norm.json --outdir out --gpus 0,1 --budget 50\n"
+        "  python -m kernel_lib.search --input specs/ --no-llm --budget 20\n"
         "  python -m kernel_lib.search --input specs/rms_norm.json --outdir out --resume\n"
-        "  python -m kernel_lib.search --worker out/kernels/rms_norm/variants/<id>/control.json\n"
+        "One evaluation again, by hand:\n"
+        "  python -m kernel_lib.search.worker out/kernels/<name>/variants/<id>/control.json\n"
         "Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1) at the specs' small_sizes.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--input", help="a spec file, or a folder of them (every *.json)")
     p.add_argument("--outdir", default="out", help="where runs are written (default: out)")
     p.add_argument("--gpus", default="0", help="comma-separated GPU indices, one worker process each (default: 0)")
-    p.add_argument("--budget-builds", type=int, default=50, help="evaluations per kernel, baseline included")
+    p.add_argument("--budget", type=int, default=50, help="evaluations per kernel, baseline included (default: 50)")
+    p.add_argument("--budget-builds", dest="budget", type=int, help=argparse.SUPPRESS)  # its name until 2026-11
+    # moved to `python -m kernel_lib.search.worker` (--serve too); still accepted here, out of --help
+    p.add_argument("--worker", metavar="CONTROL_JSON", help=argparse.SUPPRESS)
+    p.add_argument("--profile-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--min-pred-gain", type=float, default=0.02, help="skip actions whose gain elsewhere is below it")
     p.add_argument(
         "--llm-model",
@@ -40,9 +45,6 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--small", action="store_true", help="use the specs' small_sizes (default on a CPU machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--worker", metavar="CONTROL_JSON", help="internal: evaluate one variant (reproduce it by hand)")
-    p.add_argument("--profile-only", action="store_true", help="with --worker: launch a few times, no timing")
-    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the pool's long-lived worker
     return p
 
 
@@ -62,33 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(missing, file=sys.stderr)
         return 2
-    if args.serve:
-        from .pool import die_with_parent
-        from .worker import serve
-
-        die_with_parent()
-        protocol = os.dup(1)
-        os.dup2(2, 1)  # stray prints go to the worker's log, not into the protocol channel
-        return serve(protocol)
     if args.worker:
-        import json
+        from .worker import main as worker_main
 
-        from .worker import run_one
-
-        if args.profile_only:
-            path = args.worker
-            control = json.load(open(path))
-            control["profile_only"] = True
-            control["result"] = os.path.join(os.path.dirname(os.path.abspath(path)), "profile_result.json")
-            tmp = os.path.join(os.path.dirname(os.path.abspath(path)), "profile_control.json")
-            with open(tmp, "w") as f:
-                json.dump(control, f)
-            path = tmp
-        else:
-            path = args.worker
-        result = run_one(path)
-        print(json.dumps({k: v for k, v in result.items() if k != "errors"}))
-        return 0 if result["status"] in ("ok", "profiled") else 1
+        return worker_main([args.worker, *(["--profile-only"] if args.profile_only else [])])
     if not args.input:
         _parser().error("--input is required (a spec file or a folder of specs)")
     from .spec import SpecError, find_specs
@@ -120,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             result = optimize(
-                spec, budget=args.budget_builds, gpus=gpus, llm=llm, progress=not args.no_progress,
+                spec, budget=args.budget, gpus=gpus, llm=llm, progress=not args.no_progress,
                 outdir=args.outdir, resume=args.resume, seed=args.seed, timeout=args.timeout,
                 min_pred_gain=args.min_pred_gain, ncu_every=args.ncu_every, **({"small": True} if args.small else {}),
             )  # fmt: skip

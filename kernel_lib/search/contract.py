@@ -19,6 +19,7 @@ import torch
 
 from ..validate import Check, check, poisoned_like
 from .spec import KernelSpec, TensorSpec, evaluate, resolve_constexprs
+from .store import replace_atomically
 
 DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
@@ -162,10 +163,7 @@ def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> N
     """zlib-compressed ``torch.save`` of CPU copies: the same bits come back on any machine."""
     buffer = io.BytesIO()
     torch.save({k: v.detach().cpu() for k, v in tensors.items()}, buffer)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(zlib.compress(buffer.getvalue(), 6))
-    os.replace(tmp, path)
+    replace_atomically(path, lambda f: f.write(zlib.compress(buffer.getvalue(), 6)), binary=True)
 
 
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from .worker import write_json
+from .store import write_json
 
 START_LIMIT = 120.0  # seconds for a fresh worker to import torch and triton before its first evaluation
 LOCK_WAIT_LIMIT = 3600.0  # seconds a worker may wait for the GPU's lock (every holder is cut at its own timeout)
@@ -65,7 +65,7 @@ class _Slot:
         env["KERNEL_SEARCH_PARENT_PID"] = str(os.getpid())
         log = open(self.log_path, "a")  # noqa: SIM115 - the child owns it for its lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kernel_lib.search", "--serve"],
+            [sys.executable, "-m", "kernel_lib.search.worker", "--serve"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,

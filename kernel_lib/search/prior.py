@@ -44,11 +44,11 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from .moves import CANONICAL_MOVES
+from .store import write_json
 
 # --------------------------------------------------------------------------------------------------
 # Metrics (Nsight Compute names) and the classification thresholds
@@ -136,7 +136,7 @@ def ncu_command(
         "--kernel-name", f"regex:^{re.escape(entry)}$",  # the entry kernel, not the input-making torch kernels
         "--launch-count", "1",
         "--log-file", report_csv,
-        python, "-m", "kernel_lib.search", "--worker", control_path, "--profile-only",
+        python, "-m", "kernel_lib.search.worker", control_path, "--profile-only",
     ]
     # fmt: on
 
@@ -423,20 +423,10 @@ class TacticGraph:
         return graph
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically: a temporary file in the same folder, then ``os.replace`` (a crash leaves the old one)."""
+        """Write atomically and durably (on disk before the rename makes it the file; a crash leaves the old one)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=2)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())  # on disk before the rename makes it the file
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json(path, self.to_json(), durable=True)
 
 
 def _empty() -> dict[str, float]:

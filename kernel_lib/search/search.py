@@ -37,7 +37,7 @@ from . import prior as prior_mod
 from .graph import FAIL_REWARD, Graph
 from .moves import CANONICAL_MOVES, rule_actions
 from .pool import TableEvaluator, WorkerPool, devices_for
-from .spec import KernelSpec, find_specs, load_spec, parse_spec
+from .spec import KernelSpec, load_spec, parse_spec
 from .store import RunStore
 from .variant import Variant
 
@@ -98,7 +98,7 @@ class Search:
             if t.get("file"):
                 t["file"] = self.spec.resolve(t["file"])
         path = self.store.root / "spec.json"
-        from .worker import write_json
+        from .store import write_json
 
         write_json(path, data)
         return str(path)
@@ -633,8 +633,3 @@ def optimize(
     config = Settings(budget=budget, devices=devices, progress=progress, small=small, **settings)
     evaluator = TableEvaluator(table, parallel=len(devices)) if table is not None else None
     return Search(spec, outdir, config, llm=llm, evaluator=evaluator, resume=resume).run()
-
-
-def optimize_all(path: str, **kwargs) -> list[SearchResult]:
-    """``optimize`` every spec of a file or folder, one after another."""
-    return [optimize(spec, **kwargs) for spec in find_specs(path)]

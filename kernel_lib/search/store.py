@@ -26,12 +26,42 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .variant import Variant
-from .worker import write_json
+
+
+def replace_atomically(path: str | os.PathLike, write: Callable[[IO], object], binary: bool = False,
+                       durable: bool = False) -> None:  # fmt: skip
+    """Write ``path`` through a temporary file in its folder, then ``os.replace``: a reader sees the old file or the
+    new one, never half of one, and a crash leaves the old one. ``durable``: on disk (fsync) before the rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; these files are for people to read
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike, data: Any, durable: bool = False) -> None:
+    """``data`` as indented JSON, written atomically (:func:`replace_atomically`)."""
+
+    def dump(f) -> None:
+        json.dump(data, f, indent=2, default=str)
+        f.write("\n")
+
+    replace_atomically(path, dump, durable=durable)
 
 
 class RunStore:

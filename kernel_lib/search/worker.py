@@ -8,13 +8,13 @@ What an evaluation does, in order (each step can fail it, with the reason record
    (``mutated_input``);
 3. on CUDA, capture one launch in a CUDA graph and replay it on poisoned outputs: work launched on another
    stream, which the timing below would not see, leaves the poison in place (``stream_escape``);
-4. time with CUDA events (``bench.time_fn``: warm-up, median of many, L2 flushed before each call);
+4. time with CUDA events (``kernel_lib.bench.time_fn``: warm-up, median of many, L2 flushed before each call);
 5. check again after timing (``unstable``) and on a second, fresh random input (``wrong_on_fresh_input``: catches
    a kernel that caches its result or ignores its input).
 
 A variant that fails any step is never faster than anything: the search gives it a fixed penalty.
 
-Two ways to run it: ``python -m kernel_lib.search --worker control.json`` evaluates once (to reproduce one
+Two ways to run it: ``python -m kernel_lib.search.worker control.json`` evaluates once (to reproduce one
 evaluation by hand); the search's pool keeps one long-lived process per ``--gpus`` entry that reads control file
 paths from stdin, so Python and torch start once. On CUDA an error may leave the context unusable, so after one the
 process writes its result and exits, and the pool starts a fresh one. Several processes on one GPU compile in
@@ -37,10 +37,11 @@ from typing import Any
 
 import torch
 
-from .. import bench
+from ..bench import timing as clock  # the timing module alone: no pandas, plots or ceilings
 from .contract import DTYPES, Case, compare, make_case, mutated_inputs, poisoned_outputs, shape_of
 from .runners import LaunchError, make_binder
 from .spec import KernelSpec, evaluate, load_spec
+from .store import write_json
 
 FAILURES = {
     "compile_error": "the source does not import or compile",
@@ -61,17 +62,6 @@ class Failed(Exception):
     def __init__(self, status: str, reason: str):
         super().__init__(reason)
         self.status, self.reason = status, reason
-
-
-def write_json(path: str | os.PathLike, data: Any) -> None:
-    """Atomic: a reader sees the old file or the new one, never half of one."""
-    path = str(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False, default=str)
-        f.write("\n")
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; these files are for people to read
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -201,7 +191,7 @@ def evaluate_control(control: dict, signal: Callable[[str], None] | None = None)
                 _sync(device)
                 result["status"] = "profiled"
                 return result
-            timing = bench.time_fn(
+            timing = clock.time_fn(
                 run, warmup_ms=control.get("warmup_ms", 10), rep_ms=control.get("rep_ms", 50), device=device
             )
             result.update(ms=timing.median_ms, p20_ms=timing.p20_ms, p80_ms=timing.p80_ms)
@@ -215,9 +205,9 @@ def evaluate_control(control: dict, signal: Callable[[str], None] | None = None)
             _run_case(bind, spec, fresh, device, "wrong_on_fresh_input")
         scope = case.scope
         if spec.bytes:
-            result["gbps"] = bench.gbps(float(evaluate(spec.bytes, scope)), result["ms"])
+            result["gbps"] = clock.gbps(float(evaluate(spec.bytes, scope)), result["ms"])
         if spec.flops:
-            result["tflops"] = bench.tflops(float(evaluate(spec.flops, scope)), result["ms"])
+            result["tflops"] = clock.tflops(float(evaluate(spec.flops, scope)), result["ms"])
     except Failed as failed:
         result.update(status=failed.status, reason=failed.reason)
     except Exception as exc:  # noqa: BLE001 - the worker reports, the search decides
@@ -313,3 +303,44 @@ def serve(protocol_fd: int) -> int:
             # which frees CUDA memory in a context the error may have broken
             os._exit(3)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kernel_lib.search.worker``: one evaluation by hand, or (``--serve``) the pool's worker process."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m kernel_lib.search.worker",
+        description="Evaluate one variant of a kernel search run from its control.json (check, time, write "
+        "result.json beside it) and print the result as one JSON line; exit 0 if it is correct.",
+    )
+    p.add_argument(
+        "control", nargs="?", metavar="CONTROL_JSON", help="e.g. out/kernels/<name>/variants/<id>/control.json"
+    )
+    p.add_argument("--profile-only", action="store_true", help="launch a few times for a profiler, no timing")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the search's pool: paths on stdin
+    args = p.parse_args(argv)
+    if args.serve:
+        from .pool import die_with_parent
+
+        die_with_parent()
+        protocol = os.dup(1)
+        os.dup2(2, 1)  # stray prints go to the worker's log, not into the protocol channel
+        return serve(protocol)
+    if not args.control:
+        p.error("give the control.json of the variant to evaluate")
+    path = args.control
+    if args.profile_only:  # a copy of the control file that asks for profiling, its result beside it
+        folder = os.path.dirname(os.path.abspath(path))
+        control = json.loads(Path(path).read_text())
+        control["profile_only"] = True
+        control["result"] = os.path.join(folder, "profile_result.json")
+        path = os.path.join(folder, "profile_control.json")
+        Path(path).write_text(json.dumps(control))
+    result = run_one(path)
+    print(json.dumps({k: v for k, v in result.items() if k != "errors"}))
+    return 0 if result["status"] in ("ok", "profiled") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,8 +19,8 @@ from kernel_lib.search.variant import Variant
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = [
-    "--input", "--outdir", "--gpus", "--budget-builds", "--min-pred-gain", "--llm-model", "--no-llm", "--ncu-every",
-    "--resume", "--seed", "--timeout", "--worker",
+    "--input", "--outdir", "--gpus", "--budget", "--min-pred-gain", "--llm-model", "--no-llm", "--ncu-every",
+    "--resume", "--seed", "--timeout",
 ]  # fmt: skip
 
 
@@ -36,6 +36,15 @@ def test_help_lists_the_flags():
     assert done.returncode == 0 and not done.stderr
     for flag in FLAGS:
         assert flag in done.stdout
+    for internal in ("--worker", "--serve", "--budget-builds"):  # the worker's own command; the budget's old name
+        assert internal not in done.stdout
+
+
+def test_the_worker_has_its_own_command():
+    done = subprocess.run(
+        [sys.executable, "-m", "kernel_lib.search.worker", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "control.json" in done.stdout and "--serve" not in done.stdout
 
 
 def _spec_file(folder: Path, change) -> Path:
@@ -104,7 +113,7 @@ def specs_run(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("the CPU run (interpreter, small sizes); on a GPU the full sizes are notebook 07's")
     out = tmp_path_factory.mktemp("cli") / "out"
-    done = cli("--input", "specs/", "--outdir", str(out), "--no-llm", "--budget-builds", "8", "--no-progress")
+    done = cli("--input", "specs/", "--outdir", str(out), "--no-llm", "--budget", "8", "--no-progress")
     return out, done
 
 
@@ -168,7 +177,7 @@ def test_resuming_a_finished_run_elsewhere_evaluates_nothing(specs_run, capsys, 
     out, _ = specs_run
     shutil.copytree(out / "kernels" / "softmax", tmp_path / "kernels" / "softmax", symlinks=True)
     argv = ["--input", str(ROOT / "specs" / "softmax.json"), "--outdir", str(tmp_path), "--no-llm", "--no-progress"]
-    assert main([*argv, "--budget-builds", "8", "--resume"]) == 0
+    assert main([*argv, "--budget-builds", "8", "--resume"]) == 0  # the budget's old name still works
     assert "softmax: best " in capsys.readouterr().out
     events = [json.loads(line) for line in (tmp_path / "kernels" / "softmax" / "events.jsonl").read_text().splitlines()]
     assert [e["type"] for e in events].count("evaluated") == 7

@@ -101,11 +101,10 @@ def test_ncu_command_profiles_one_launch_of_the_entry():
     assert cmd[cmd.index("--kernel-name") + 1] == "regex:^rms_norm_fwd$"
     assert cmd[cmd.index("--launch-count") + 1] == "1"
     assert cmd[cmd.index("--log-file") + 1] == "out/v/ncu.csv"
-    assert cmd[-6:] == [
+    assert cmd[-5:] == [
         "/venv/bin/python",
         "-m",
-        "kernel_lib.search",
-        "--worker",
+        "kernel_lib.search.worker",
         "out/v/control.json",
         "--profile-only",
     ]

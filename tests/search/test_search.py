@@ -159,7 +159,7 @@ def test_kill_9_at_random_moments_loses_nothing(tmp_path):
     rng, budget = random.Random(20261123), 24
     out, root = tmp_path / "out", tmp_path / "out" / "kernels" / "rms_norm"
     cmd = [sys.executable, "-m", "kernel_lib.search", "--input", str(ROOT / "specs" / "rms_norm.json")]
-    cmd += ["--outdir", str(out), "--no-llm", "--budget-builds", str(budget), "--gpus", "0,1", "--no-progress"]
+    cmd += ["--outdir", str(out), "--no-llm", "--budget", str(budget), "--gpus", "0,1", "--no-progress"]
     kills = []
     for start, target in enumerate(sorted(rng.sample(range(budget - 4), 5))):
         log = open(tmp_path / f"run-{start}.log", "w")  # noqa: SIM115 - closed below

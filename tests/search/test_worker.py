@@ -180,10 +180,10 @@ def test_a_worker_process_serves_many_evaluations(spec_path, tmp_path):
     ],
 )
 def test_the_worker_command_reproduces_one_evaluation(bad, code, spec_path, tmp_path):
-    """``python -m kernel_lib.search --worker control.json``: one evaluation by hand, its result as one JSON line."""
+    """``python -m kernel_lib.search.worker control.json``: one evaluation by hand, its result as one JSON line."""
     control = tiny.control_for(tmp_path, spec_path, bad.source, DEVICE)
     done = subprocess.run(
-        [sys.executable, "-m", "kernel_lib.search", "--worker", control],
+        [sys.executable, "-m", "kernel_lib.search.worker", control],
         capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=120,
     )  # fmt: skip
     assert done.returncode == code, done.stderr
