@@ -152,9 +152,9 @@ check-html: $(BOOK_ENV) chromium ## Open every page of the built book in headles
 	$(PYTHON) tools/check_html.py --html _build/html --screens _build/screens
 
 # ------------------------------------------------------------------------------------------------ tests
-# The CPU suite runs CPU_WORKERS pytest processes (the interpreter keeps one core busy each): a test file stays on one
-# worker unless it groups its tests itself (--dist loadgroup, tests/conftest.py), a notebook always does. Each pass
-# ends with its ten slowest tests, or each notebook's time (conftest.py).
+# The CPU suite runs CPU_WORKERS pytest processes (the interpreter keeps one core busy each): tests go to workers one
+# at a time, except those marked with one xdist_group (--dist loadgroup); a notebook stays on one worker (--dist
+# loadfile). Each pass ends with its ten slowest tests, or each notebook's time (conftest.py).
 CPU_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
 
 test: $(DEV_ENV) chromium ## CPU suite: pytest, nbval over every notebook (Triton interpreted), strict book build, check-html
@@ -172,7 +172,7 @@ ifneq ($(WHEELHOUSE),)
 endif
 
 # The GPU suite runs GPU_WORKERS pytest processes on the one GPU (Triton's and nvcc's compiles are CPU work;
-# a test file stays on one worker unless it groups its tests itself: --dist loadgroup, tests/conftest.py). Its
+# tests go to workers one at a time, those of one xdist_group together: --dist loadgroup). Its
 # notebook pass runs every cell on the GPU at the CPU's sizes (KERNEL_COURSE_SIZES=small, see bench.full_sizes):
 # it proves they work; `make execute` stores the full runs.
 GPU_WORKERS ?= 6

@@ -69,7 +69,8 @@ def _share_the_gpu(request):
 
 
 def pytest_configure(config):
-    # pytest-xdist registers it where installed; the GPU machine may run without xdist
+    # `make test` and `make test-gpu` spread tests one at a time over workers (--dist loadgroup); tests marked with
+    # one xdist_group run on one worker. pytest-xdist registers the mark; a machine may run without xdist.
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker under --dist loadgroup")
 
 
@@ -78,7 +79,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
-        # Parallel runs use --dist loadgroup: a file's tests stay on one worker (its compiled kernels and
-        # fixtures serve them all) unless the file groups them itself (the attention grid spreads its head dims).
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))

@@ -45,7 +45,7 @@ def check_case(B, Hq, Hkv, N, M, D, Dv, causal, window, dtype, device):
     check_forward_backward(kernel, reference, [q, k, v], atol=ATOL[dtype], baseline=baseline, name=f"out {N}x{M}")
 
 
-# `make test-gpu` keeps a test file on one worker; this one's head dims spread over four (tests/conftest.py).
+# Four groups of head dims, each on one worker under --dist loadgroup: a group shares its compiled kernels.
 SPREAD_HEAD_DIMS = [pytest.param(D, marks=pytest.mark.xdist_group(f"attention-grid-{i % 4}")) for i, D in
                     enumerate(HEAD_DIMS)]  # fmt: skip
 
