@@ -100,7 +100,7 @@ from ..ops.attention import MAX_HEAD_DIM, flash_attention
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.moe import MoE
 from ..ops.norms import RMSNorm, add_rms_norm
-from ..ops.rope import rope, rope_cos_sin, rope_to_cache
+from ..ops.rope import check_position, rope, rope_cos_sin, rope_to_cache
 from ..ops.swiglu import swiglu_linear
 
 __all__ = [
@@ -715,12 +715,7 @@ class GPT(nn.Module):
                 f"cache is (batch {cache.batch}, {cache.dtype}, {cache.device}), the step needs (batch {B}, "
                 f"{w.dtype}, {w.device}): the model's dtype and device, idx's batch"
             )
-        if isinstance(pos, torch.Tensor):
-            if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != idx.device:
-                raise ValueError(
-                    f"a tensor pos must be one int64 element on idx's device ({idx.device}), got "
-                    f"{pos.dtype} {tuple(pos.shape)} on {pos.device}"
-                )
+        if not check_position(pos, idx.device, "idx's device"):
             if kv_len is None:
                 raise ValueError(
                     f"with a tensor pos, give kv_len (a Python int, the cache positions attention "
@@ -729,11 +724,9 @@ class GPT(nn.Module):
             positions, exact = pos.reshape(1) + torch.arange(n, device=pos.device), False
             capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
             host_pos = None if capturing else int(pos)  # int(pos) syncs: checked in eager use only
-        elif isinstance(pos, int) and not isinstance(pos, bool):
+        else:
             host_pos, kv_len = pos, pos + n if kv_len is None else kv_len
             positions, exact = torch.arange(pos, pos + n, device=idx.device), kv_len == pos + n
-        else:
-            raise ValueError(f"pos must be a Python int or a one-element int64 tensor, got {type(pos).__name__}")
         if host_pos is not None and not (0 <= host_pos and host_pos + n <= cache.max_len):
             raise ValueError(
                 f"tokens at positions [{host_pos}, {host_pos + n}) do not fit the cache of max_len {cache.max_len}"

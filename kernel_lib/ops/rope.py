@@ -314,21 +314,28 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return _Rope.apply(x, cos, sin)
 
 
+def check_position(pos, device: torch.device, where: str) -> bool:
+    """A decode step's position: a Python int (True), or one int64 element on ``device`` (False: a CUDA graph's step,
+    where the position is data); ValueError otherwise, naming ``where`` the tensor should live."""
+    if isinstance(pos, int) and not isinstance(pos, bool):
+        return True
+    if not isinstance(pos, torch.Tensor):
+        raise ValueError(f"pos must be a Python int or a one-element int64 tensor, got {type(pos).__name__}")
+    if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != device:
+        raise ValueError(
+            f"a tensor pos must be one int64 element on {where} ({device}), got {pos.dtype} {tuple(pos.shape)} "
+            f"on {pos.device}"
+        )
+    return False
+
+
 def _cache_place(pos, q: torch.Tensor, n: int, block_rows, block_start) -> tuple[torch.Tensor, int, int]:
     """pos as a (1,) int64 tensor on q's device, and the block's rows and start with their defaults filled in."""
-    if isinstance(pos, int) and not isinstance(pos, bool):
+    if check_position(pos, q.device, "q's device"):
         block_start = pos if block_start is None else block_start
         pos = torch.tensor([pos], dtype=torch.int64, device=q.device)
-    elif isinstance(pos, torch.Tensor):
-        if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
-            raise ValueError(
-                f"pos must be a Python int or one int64 element on q's device ({q.device}), got {pos.dtype} "
-                f"{tuple(pos.shape)} on {pos.device}"
-            )
-        if block_start is None:
-            raise ValueError("with a tensor pos, give block_start (a Python int): the position of the block's row 0")
-    else:
-        raise ValueError(f"pos must be a Python int or a one-element int64 tensor, got {type(pos).__name__}")
+    elif block_start is None:
+        raise ValueError("with a tensor pos, give block_start (a Python int): the position of the block's row 0")
     block_rows = n if block_rows is None else block_rows
     if not isinstance(block_rows, int) or block_rows < n:
         raise ValueError(f"block_rows must be an int >= the step's {n} tokens, got {block_rows!r}")
