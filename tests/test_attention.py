@@ -211,3 +211,19 @@ def test_model_sized_on_gpu(causal, dtype, atol):
     check_forward_backward(
         kernel, reference, [q, k, v], atol=atol, baseline=functools.partial(torch_attention, causal=causal, window=None)
     )
+
+
+def test_forward_config_is_what_the_forward_launches_with(device):
+    q, k, v = _qkv(1, 2, 1, 40, 40, (80, 48), torch.float16, device)
+    config = attention_module.forward_config(q, k, v, causal=True)
+    assert set(config) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    if device == "cpu":  # interpreted: the smallest tiles
+        assert config == meta(attention_module.kernels._FWD_CONFIGS[0])
+    else:  # the heuristic's first pick that fits (padded widths 128 + 64), compiled to check it
+        fits = attention_module.configs_that_fit(
+            attention_module.kernels.fwd_preferred(40, 192, True, False),
+            attention_module.kernels._FWD_CONFIGS[0],
+            attention_module.kernels._smem_bytes,
+            {"BLOCK_DQK": 128, "BLOCK_DV": 64, "q": q},
+        )
+        assert config == fits[0]
