@@ -261,7 +261,7 @@ def test_low_precision_stores_round_to_nearest(device, dtype):
     assert torch.equal(out, x.to(dtype))
 
 
-# ------------------------------------------------------------------------- compile_together
+# ------------------------------------------------------------------------- compile_fitting
 @triton.jit
 def _double_kernel(x_ptr, n, BLOCK: tl.constexpr):  # a kernel of its own, so no other test has compiled it
     offsets = tl.arange(0, BLOCK)
@@ -269,33 +269,25 @@ def _double_kernel(x_ptr, n, BLOCK: tl.constexpr):  # a kernel of its own, so no
     tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * 2, mask=mask)
 
 
-def test_compile_together_is_a_no_op_under_the_interpreter(monkeypatch):
-    monkeypatch.setattr(_utils, "is_interpreting", lambda: True)
-    calls = []
-    fake = types.SimpleNamespace(warmup=lambda *a, **k: calls.append(a))
-    _utils.compile_together(("interpreted",), [(fake, (1,), (torch.ones(4), 4), {"BLOCK": 4})])
-    assert calls == []
-
-
 @pytest.mark.gpu
-def test_compile_together_compiles_without_launching():
-    pytest.importorskip("triton.runtime._async_compile", reason="Triton before 3.4 compiles at launch instead")
-
+def test_compile_fitting_compiles_without_launching():
     x = torch.ones(100, device="cuda")
     cache = _double_kernel.device_caches[torch.cuda.current_device()][0]  # Triton's compiled-kernel cache
     before = len(cache)
-    launches = [(_double_kernel, (1,), (x, 100), {"BLOCK": 128}), (_double_kernel, (1,), (x, 100), {"BLOCK": 256})]
-    _utils.compile_together(("test", "double"), launches)
+    launches = [
+        (_double_kernel, (1,), (x, 100), {}, [{"BLOCK": 128}]),
+        (_double_kernel, (1,), (x, 100), {}, [{"BLOCK": 256}]),
+    ]
+    assert _utils.compile_fitting(("test", "double"), launches) == [{"BLOCK": 128}, {"BLOCK": 256}]
     assert len(cache) == before + 2  # both specializations compiled
     torch.cuda.synchronize()
     assert torch.equal(x, torch.ones_like(x))  # and nothing ran
-    _utils.compile_together(("test", "double"), launches)  # the key is known: nothing more happens
+    _utils.compile_fitting(("test", "double"), launches)  # the key is known: nothing more happens
     assert len(cache) == before + 2
     _double_kernel[(1,)](x, 100, BLOCK=128)
     assert torch.equal(x, torch.full_like(x, 2.0))
 
 
-# ------------------------------------------------------------------------- compile_fitting
 def _fake_kernel(shared_by_block: dict, compiled: list):
     """A stand-in for a JIT kernel whose compiled shared memory depends on its BLOCK."""
 

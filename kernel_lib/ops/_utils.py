@@ -12,6 +12,8 @@ first call at a new shape then costs one compile, not an autotuning sweep; ``KER
 whole config list instead and keeps its choices on disk. Either way configs are checked against the shared memory
 of the device they launch on, so a config tuned on an H100 (up to 227 KB per block, NVIDIA's Hopper tuning
 guide) never reaches an RTX 4090 (99 KB, Ada tuning guide); under the interpreter the smallest config is used.
+Flash attention goes one step further (``compile_fitting``): it compiles its pick before the first launch and
+asks the compiled kernel for the shared memory it really needs, which an estimate can miss.
 
 This file depends on torch alone (triton is imported lazily), so it can be copied with any kernel file.
 """
@@ -213,7 +215,6 @@ def autotune_requested() -> bool:
     return os.environ.get("KERNEL_LIB_AUTOTUNE", "0").lower() in ("1", "true", "yes", "on")
 
 
-_compiled_together: set = set()
 _compile_threads = None
 
 
@@ -263,23 +264,6 @@ def _load_side_by_side(kernels: Sequence, launches: Sequence[tuple]) -> None:
             pass
 
 
-def compile_together(key: tuple, launches: Sequence[tuple]) -> None:
-    """Compile the kernels of several launches side by side, the first time ``key`` is seen in this process.
-
-    ``launches`` holds ``(kernel, grid, args, kwargs)`` exactly as the caller is about to launch them; ``key`` must
-    change whenever Triton would compile anew (constexprs, dtypes, which ints are 1 or multiples of 16). A backward
-    that launches three new kernels otherwise compiles them one after another; here they compile in threads
-    through Triton's ``AsyncCompileMode`` (Triton 3.4 and later; earlier releases and the interpreter skip this and
-    the launches compile as they come), and are then loaded side by side too. Nothing is launched here.
-    """
-    if key in _compiled_together or is_interpreting():
-        return
-    _compiled_together.add(key)
-    kernels = _compile_side_by_side(launches)
-    if kernels is not None:
-        _load_side_by_side(kernels, launches)
-
-
 def _shared_bytes(compiled) -> int | None:
     """The shared memory Triton allocated for a compiled kernel (``metadata.shared``), None if not reported."""
     shared = getattr(getattr(compiled, "metadata", None), "shared", None)
@@ -296,9 +280,11 @@ def compile_fitting(key: tuple, launches: Sequence[tuple]) -> list[dict]:
     first (:func:`configs_that_fit` gives them from a kernel file's estimate). The estimate can miss what the
     compiler adds (a layout-conversion scratch, one more pipeline buffer); the compiled kernel's
     ``metadata.shared`` is the number Triton checks at launch, so a config over the device's limit moves to the
-    next candidate here instead of failing there with ``OutOfResources``. Launches compile side by side (as in
-    :func:`compile_together`). Returns the chosen keywords, one per launch, remembered under ``key`` (which must
-    change whenever Triton would compile anew); raises ValueError when no candidate of a launch fits.
+    next candidate here instead of failing there with ``OutOfResources``. The launches compile side by side in
+    threads (a backward's three kernels at once, through Triton's ``AsyncCompileMode``, 3.4 and later; one by one
+    before) and are loaded side by side too; nothing is launched. Returns the chosen keywords, one per launch,
+    remembered under ``key`` (which must change whenever Triton would compile anew: constexprs, dtypes, which ints
+    are 1 or multiples of 16); raises ValueError when no candidate of a launch fits.
     """
     if is_interpreting():
         return [candidates[0] for *_, candidates in launches]
