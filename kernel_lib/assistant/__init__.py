@@ -6,13 +6,13 @@
 
 Modules, one job each: ``findings`` (the table of finding kinds), ``trace`` (record a forward's calls and data
 flow), ``source`` (loops in forward methods), ``dynamo`` (graph breaks, recompiles), ``measure`` (step time,
-memory, profile), ``detect`` (findings from those), ``rewrites`` (the automatic fixes), ``assistant`` (the loop:
+memory, profile), ``detect`` (findings from those), ``rewrites`` (the automatic fixes), ``pipeline`` (the loop:
 find, measure each fix alone, combine, validate), ``report`` (the result: tables, text, HTML, JSON, waterfall),
 ``widgets`` (the notebook form), ``__main__`` (the command line: ``python -m kernel_lib.assistant --help``).
 """
 
-from .assistant import CompilerOptimizationAssistant, split_inputs
 from .findings import KINDS, Finding, kinds_table
+from .pipeline import CompilerOptimizationAssistant, split_inputs
 from .report import Opportunity, OptimizationResult
 
 __all__ = [

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     model = factory().to(device=device, dtype=DTYPES[args.dtype])
     inputs = make_inputs(model, shape, DTYPES[args.dtype], args.vocab, args.labels, device)
 
-    from .assistant import CompilerOptimizationAssistant
+    from .pipeline import CompilerOptimizationAssistant
 
     assistant = CompilerOptimizationAssistant(train=not args.forward_only, progress=not args.json)
     try:

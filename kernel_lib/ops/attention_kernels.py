@@ -16,7 +16,8 @@ LOG2E = 1.4426950408889634  # log2(e), for host code; kernels spell the literal 
 
 # --------------------------------------------------------------------------------------------------
 # Configs. Each launch takes the config a heuristic below picks from the shape (``*_preferred``: best first, the
-# launcher keeps the first that fits the device's shared memory); KERNEL_LIB_AUTOTUNE=1 searches the whole list.
+# launcher keeps the first whose compiled kernel fits the device's shared memory); KERNEL_LIB_AUTOTUNE=1 searches
+# the whole list.
 # The first config of each list runs anywhere and is the one interpreted.
 # --------------------------------------------------------------------------------------------------
 def _configs(*rows: tuple[int, int, int, int]) -> list:
@@ -25,17 +26,19 @@ def _configs(*rows: tuple[int, int, int, int]) -> list:
 
 
 def _tiles_bytes(config, args, held: str, streamed: str) -> int:
-    """Shared memory of one program as Triton allocates it on Hopper (triton 3.6 asked 262,144 bytes for the
-    forward at D = 256, BLOCK_M 128, BLOCK_N 64, 3 stages: exactly this count). ``held``: the block of rows whose
+    """Shared memory of one program, an estimate that prunes the config lists. ``held``: the block of rows whose
     q/k-wide and v-wide tiles stay for the whole program; ``streamed``: the block whose two tiles are buffered once
-    per pipeline stage. Tiles are 2-byte elements, padded to the power-of-two head dims BLOCK_DQK and BLOCK_DV."""
+    per pipeline stage, every stage counted, as Triton 3.6 allocates them on Hopper (for the forward at D = 256,
+    BLOCK_M 128, BLOCK_N 64, 3 stages it asked 262,144 bytes: q's tile plus 3 x (k + v)). Tiles are 2-byte
+    elements, padded to the power-of-two head dims BLOCK_DQK and BLOCK_DV. The compiled kernel's own count has the
+    last word (_utils.compile_fitting)."""
     width = args.get("BLOCK_DQK", 128) + args.get("BLOCK_DV", args.get("BLOCK_DQK", 128))
     stages = max(1, config.num_stages)
     return 2 * width * (config.kwargs[held] + config.kwargs[streamed] * stages)
 
 
 def _smem_bytes(config, args) -> int:
-    # q held (counted at q/k's width plus v's: the output tile's staging); k, v streamed
+    # q held, counted at q's and v's width together (Triton held q alone: a margin); k, v streamed
     return _tiles_bytes(config, args, held="BLOCK_M", streamed="BLOCK_N")
 
 

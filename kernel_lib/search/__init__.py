@@ -11,14 +11,14 @@ or from Python::
 
 Modules, one job each: ``spec`` (the kernel spec and its validation), ``contract`` (inputs, references, tensors on
 disk), ``variant`` (a node: source + launch), ``moves`` (canonical moves and rule generators), ``graph`` (PUCT,
-widening, backpropagation), ``search`` (the loop and ``optimize``), ``worker`` and ``runners`` (one evaluation),
+widening, backpropagation), ``mcts`` (the search loop and ``optimize``), ``worker`` and ``runners`` (one evaluation),
 ``pool`` (worker processes), ``llm`` (language-model moves), ``prior`` (Nsight Compute bottlenecks, the tactic
 graph), ``store`` (the files a run leaves), ``strategies`` (exhaustive, random and pattern search to compare with).
 """
 
 __all__ = ["KernelSpec", "SearchResult", "Settings", "SpecError", "find_specs", "load_spec", "optimize"]
 
-_WHERE = {"SearchResult": "search", "Settings": "search", "optimize": "search"}
+_WHERE = {"SearchResult": "mcts", "Settings": "mcts", "optimize": "mcts"}
 
 
 def __getattr__(name: str):

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --gpus takes comma-separated integers, got {args.gpus!r}", file=sys.stderr)
         return 2
     from .llm import LLMUnavailable, client_from_settings
-    from .search import optimize
+    from .mcts import optimize
 
     try:
         llm = client_from_settings(args.llm_model, args.no_llm)

@@ -222,7 +222,7 @@ def _unseen(v: Variant | None, spec: KernelSpec, seen: set[str]) -> bool:
 
 def graph_search(spec: KernelSpec, table: dict[str, dict], budget: int, seed: int) -> list[str]:
     """The graph search with evaluations answered from ``table``; the order of its evaluations."""
-    from .search import optimize
+    from .mcts import optimize
 
     with tempfile.TemporaryDirectory() as tmp:
         result = optimize(spec, budget=budget, outdir=tmp, table=table, seed=seed, progress=False, gpus=[0])

@@ -22,9 +22,9 @@ import torch
 
 from kernel_lib.search.graph import FAIL_REWARD
 from kernel_lib.search.llm import LLMClient
+from kernel_lib.search.mcts import Search, Settings
 from kernel_lib.search.moves import reachable
 from kernel_lib.search.pool import TableEvaluator, WorkerPool
-from kernel_lib.search.search import Search, Settings
 from kernel_lib.search.spec import load_spec
 from kernel_lib.search.store import RunStore
 from kernel_lib.search.variant import Variant
