@@ -156,6 +156,15 @@ def test_compiles_without_graph_break(device):
     assert q.grad is not None and k.grad is not None
 
 
+def test_compiles_with_a_value_head_dim_apart_from_the_query_s(device):
+    # torch.compile sizes outputs from the op's fake: out is (B, H, N, Dv), not q's shape
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 1, 20, 20, (48, 24), torch.float16, device))
+    out = torch.compile(lambda q, k, v: flash_attention(q, k, v, causal=True), fullgraph=True)(q, k, v)
+    assert out.shape == (1, 2, 20, 24)
+    out.float().sum().backward()
+    torch.testing.assert_close(out, attention_ref(q.detach(), k.detach(), v.detach(), True), atol=2e-3, rtol=2e-3)
+
+
 def test_opcheck(device):
     q, k, v = _qkv(1, 2, 1, 20, 20, 32, torch.float16, device)
     torch.library.opcheck(torch.ops.kernel_lib.flash_attention_fwd.default, (q, k, v, True, 8, 0.2))
@@ -169,7 +178,9 @@ def test_opcheck(device):
         (((1, 3, 8, 32), (1, 2, 8, 32), (1, 2, 8, 32)), {}, ValueError, "multiple of key/value heads"),
         (((1, 2, 8, 320), (1, 2, 8, 320), (1, 2, 8, 32)), {}, ValueError, "q and k must be between 1 and 256"),
         (((1, 2, 8, 32), (1, 2, 8, 32), (1, 2, 8, 264)), {}, ValueError, "head dim of v must be between 1 and 256"),
-        (((1, 2, 8, 32), (1, 2, 8, 32), (1, 2, 9, 32)), {}, ValueError, "k and v must agree"),
+        (((1, 2, 8, 32), (1, 2, 8, 32), (1, 2, 9, 32)), {}, ValueError, "k and v must have the same length"),
+        (((1, 2, 8, 32), (1, 2, 8, 32), (1, 1, 8, 32)), {}, ValueError, "same number of heads"),
+        (((2, 2, 8, 32), (1, 2, 8, 32), (1, 2, 8, 32)), {}, ValueError, "same batch size"),
         (((1, 2, 8, 32), (1, 2, 8, 32), (1, 2, 8, 32)), {"window": 4}, ValueError, "window needs causal"),
         (((1, 2, 8, 32), (1, 2, 8, 32), (1, 2, 8, 32)), {"window": 0, "causal": True}, ValueError, "positive"),
     ],

@@ -56,7 +56,14 @@ from ._utils import (
 )
 from .attention_kernels import LOG2E, _attn_bwd_prep_kernel
 
-__all__ = ["flash_attention", "attention_ref", "MultiHeadAttention", "MAX_HEAD_DIM"]
+__all__ = [
+    "flash_attention",
+    "flash_attention_varlen",
+    "attention_ref",
+    "attention_varlen_ref",
+    "MultiHeadAttention",
+    "MAX_HEAD_DIM",
+]
 
 MAX_HEAD_DIM = 256  # FlashAttention's limit too; any head dim up to it, q/k and v apart
 
@@ -97,6 +104,22 @@ def attention_ref(
     return (out, lse.float() if compute != torch.float64 else lse) if return_lse else out
 
 
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, window=None, scale=None,
+                         return_lse=False):  # fmt: skip
+    """Packed sequences one at a time through :func:`attention_ref`: out (total_q, Hq, Dv), lse (Hq, total_q)."""
+    outs, lses = [], []
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:], strict=False):
+        as_batch = lambda t, a, b: t[a:b].transpose(0, 1)[None]  # noqa: E731  (rows, H, D) -> (1, H, rows, D)
+        out, lse = attention_ref(as_batch(q, q0, q1), as_batch(k, k0, k1), as_batch(v, k0, k1), causal, window,
+                                 scale, return_lse=True)  # fmt: skip
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v.shape[-1]))
+    lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0), dtype=torch.float32)
+    return (out, lse) if return_lse else out
+
+
 # --------------------------------------------------------------------------------------------------
 # Launchers (inputs already checked by the functional API)
 # --------------------------------------------------------------------------------------------------
@@ -104,9 +127,23 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _shapes(q, k, v):
-    B, Hq, N, D = q.shape
-    return B, Hq, k.shape[1], N, k.shape[2], D, v.shape[-1]
+def _shapes(q, k, v, cu_q, max_q, max_k):
+    """B, Hq, Hkv, N, M, D, Dv; packed (``cu_q`` given), B counts the sequences and N, M are the longest ones."""
+    if cu_q is None:
+        B, Hq, N, D = q.shape
+        return B, Hq, k.shape[1], N, k.shape[2], D, v.shape[-1]
+    return cu_q.numel() - 1, q.shape[1], k.shape[1], max_q, max_k, q.shape[-1], v.shape[-1]
+
+
+def _bhn_strides(t: torch.Tensor, packed: bool) -> tuple:
+    """Strides along batch, head and position: (B, H, N, ...) tensors, or packed (tokens, H, ...) with a batch
+    stride of 0 (the kernels add each sequence's first row instead)."""
+    return (0, t.stride(1), t.stride(0)) if packed else tuple(t.stride()[:3])
+
+
+def _stat_strides(t: torch.Tensor, packed: bool) -> tuple:
+    """Strides along batch and head of a per-query float32 statistic: (B, H, N), or packed (H, tokens)."""
+    return (0, t.stride(0)) if packed else (t.stride(0), t.stride(1))
 
 
 def _dims(D: int, Dv: int) -> dict:
@@ -120,18 +157,22 @@ def _int_key(*ints: int) -> tuple:
     return tuple((i == 1, i % 16 == 0) for i in ints)
 
 
-def _forward_launch(q, k, v, out, lse, causal, window, scale):
+def _forward_launch(q, k, v, out, lse, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_k=0):
     """The forward's grid, arguments, constexpr flags and launch config for these tensors (q, k, v of unit stride
-    along the head dim); the config is the heuristic's pick that fits this GPU, compiled to check it."""
-    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v)
+    along the head dim; packed when ``cu_q`` is given); the config is the heuristic's pick that fits this GPU,
+    compiled to check it."""
+    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v, cu_q, max_q, max_k)
+    packed = cu_q is not None
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)
 
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-    args = (q, k, v, out, lse, *strides, Hq, N, M, Hq // Hkv, scale * LOG2E, window or 0)
+    strides = (*(_bhn_strides(t, packed) for t in (q, k, v, out)),)
+    strides = (*sum(strides, ()), *_stat_strides(lse, packed))
+    offsets = (cu_q, cu_k) if packed else (q, q)  # unused pointers when not packed
+    args = (q, k, v, out, lse, *offsets, *strides, Hq, N, M, Hq // Hkv, scale * LOG2E, window or 0)
     dims = _dims(D, Dv)
-    flags = dict(**dims, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
+    flags = dict(**dims, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu", VARLEN=packed)
     if autotune_requested():
         return grid, args, flags, None
     width = dims["BLOCK_DQK"] + dims["BLOCK_DV"]
@@ -144,8 +185,8 @@ def _forward_launch(q, k, v, out, lse, causal, window, scale):
 
 
 def forward_config(q, k, v, causal: bool = False, window: Optional[int] = None) -> dict:
-    """The tiles, warps and stages the forward launches with for these inputs on their device (the smallest
-    tiles when interpreted), as the launcher picks them."""
+    """The tiles, warps and stages the forward launches with for these (B, H, N, D) inputs on their device (the
+    smallest tiles when interpreted), as the launcher picks them."""
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -155,14 +196,24 @@ def forward_config(q, k, v, causal: bool = False, window: Optional[int] = None) 
     return config
 
 
-def _forward(q, k, v, causal, window, scale):
-    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v)
-    out = torch.empty((B, Hq, N, Dv), device=q.device, dtype=q.dtype)
-    lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
-    if out.numel() == 0:
+def _output_shapes(q, v, packed: bool) -> tuple:
+    """out's and lse's shapes: (B, Hq, N, Dv) and (B, Hq, N), or packed (tokens, Hq, Dv) and (Hq, tokens)."""
+    if packed:
+        return (*q.shape[:2], v.shape[-1]), (q.shape[1], q.shape[0])
+    return (*q.shape[:3], v.shape[-1]), tuple(q.shape[:3])
+
+
+def _forward(q, k, v, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_k=0):
+    packed = cu_q is not None
+    cu_k = cu_q if cu_k is None else cu_k  # packed self-attention passes its offsets once
+    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v, cu_q, max_q, max_k)
+    out_shape, lse_shape = _output_shapes(q, v, packed)
+    out = torch.empty(out_shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
+    if out.numel() == 0 or N == 0 or B == 0:
         return out, lse.fill_(float("-inf"))
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-    grid, args, flags, config = _forward_launch(q, k, v, out, lse, causal, window, scale)
+    grid, args, flags, config = _forward_launch(q, k, v, out, lse, causal, window, scale, cu_q, cu_k, max_q, max_k)
     if config is None:
         kernels._attn_fwd_tuned[grid](*args, **flags)
     else:
@@ -170,33 +221,41 @@ def _forward(q, k, v, causal, window, scale):
     return out, lse
 
 
-def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
-    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v)
-    do = do.contiguous()
+def _backward(do, q, k, v, out, lse, dlse, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_k=0):
+    packed = cu_q is not None
+    cu_k = cu_q if cu_k is None else cu_k
+    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v, cu_q, max_q, max_k)
+    do, out, lse = do.contiguous(), out.contiguous(), lse.contiguous()
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-    dq = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype)
-    dk = torch.empty((B, Hkv, M, D), device=k.device, dtype=k.dtype)
-    dv = torch.empty((B, Hkv, M, Dv), device=v.device, dtype=v.dtype)
-    if dq.numel() == 0 or dk.numel() == 0:
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    if dq.numel() == 0 or dk.numel() == 0 or N == 0 or M == 0 or B == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     # One pass over out and dout: delta = rowsum(dout * out) - dlse, and lse in base 2 (+inf for a query that
     # sees nothing, so its probabilities recompute as 0), float32, each head's row padded to a multiple of 16
     # so the backward kernels load them aligned whatever N is (N is not specialized on).
-    stat_stride = triton.cdiv(N, 16) * 16
-    delta_lse2 = torch.empty((2, B * Hq, stat_stride), device=q.device, dtype=torch.float32)
+    rows = q.shape[0] if packed else N
+    stat_stride = triton.cdiv(rows, 16) * 16
+    stats = torch.empty((2, Hq if packed else B * Hq, stat_stride), device=q.device, dtype=torch.float32)
+    delta, lse2 = stats[0], stats[1]
+    stat_strides = (0, stat_stride) if packed else (Hq * stat_stride, stat_stride)
     dims = _dims(D, Dv)
+    offsets = (cu_q, cu_k) if packed else (q, q)  # unused pointers when not packed
+    do_strides, lse_strides = _bhn_strides(do, packed), _stat_strides(lse, packed)
     block_r = max(1, 4096 // dims["BLOCK_DV"])
     prep_grid = (triton.cdiv(N, block_r), B * Hq)
-    prep_args = (out.contiguous(), do, lse.contiguous(), dlse.float().contiguous() if dlse is not None else lse,
-                 delta_lse2[0], delta_lse2[1], N, stat_stride)  # fmt: skip
-    prep_flags = dict(D_V=Dv, BLOCK_DV=dims["BLOCK_DV"], HAS_DLSE=dlse is not None, BLOCK_R=block_r)
-    delta, lse2 = delta_lse2[0], delta_lse2[1]
-    flags = dict(**dims, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu")
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    prep_args = (out, do, lse, dlse.float().contiguous() if dlse is not None else lse, delta, lse2, offsets[0],
+                 *do_strides, *lse_strides, *stat_strides, Hq, N)  # fmt: skip
+    prep_flags = dict(D_V=Dv, BLOCK_DV=dims["BLOCK_DV"], HAS_DLSE=dlse is not None, VARLEN=packed, BLOCK_R=block_r)
+    flags = dict(**dims, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu", VARLEN=packed)
+    strides = sum((_bhn_strides(t, packed) for t in (q, k, v, do)), ())
     dkdv_grid = lambda meta: (triton.cdiv(M, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
-    dkdv_args = (q, k, v, do, lse2, delta, dk, dv, *strides, Hq, Hkv, N, M, Hq // Hkv, stat_stride, scale, window or 0)
+    dkdv_args = (q, k, v, do, lse2, delta, dk, dv, *offsets, *strides, *_bhn_strides(dk, packed),
+                 *_bhn_strides(dv, packed), *stat_strides, Hq, Hkv, N, M, Hq // Hkv, scale, window or 0)  # fmt: skip
     dq_grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)  # noqa: E731
-    dq_args = (q, k, v, do, lse2, delta, dq, *strides, Hq, N, M, Hq // Hkv, stat_stride, scale, window or 0)
+    dq_args = (q, k, v, do, lse2, delta, dq, *offsets, *strides, *_bhn_strides(dq, packed), *stat_strides,
+               Hq, N, M, Hq // Hkv, scale, window or 0)  # fmt: skip
     if autotune_requested():
         _attn_bwd_prep_kernel[prep_grid](*prep_args, **prep_flags)
         kernels._attn_bwd_dkdv_tuned[dkdv_grid](*dkdv_args, **flags)
@@ -212,8 +271,9 @@ def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
     )
     # The first backward at a new specialization compiles three kernels: side by side, not one after another;
     # each keeps the first candidate whose compiled shared memory fits the device.
+    ints = _int_key(*strides, *stat_strides, Hq, Hkv, Hq // Hkv, N, M)
     key = (q.device, q.dtype, dlse is not None, *flags.values(), *(tuple(c.items()) for c in dkdv_candidates),
-           *(tuple(c.items()) for c in dq_candidates), *_int_key(*strides, Hq, Hkv, Hq // Hkv, N, M))  # fmt: skip
+           *(tuple(c.items()) for c in dq_candidates), *ints)  # fmt: skip
     _, dkdv, dq_config = compile_fitting(key, [
         (_attn_bwd_prep_kernel, prep_grid, prep_args, prep_flags, [{}]),
         (kernels._attn_bwd_dkdv_kernel, dkdv_grid, dkdv_args, flags, dkdv_candidates),
@@ -230,14 +290,24 @@ def _backward(do, q, k, v, out, lse, dlse, causal, window, scale):
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("kernel_lib::flash_attention_fwd", mutates_args=())
 def _attn_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: Optional[int], scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    window: Optional[int],
+    scale: float,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, window, scale)
+    return _forward(q, k, v, causal, window, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, causal, window, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _(q, k, v, causal, window, scale, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    out_shape, lse_shape = _output_shapes(q, v, cu_seqlens_q is not None)
+    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("kernel_lib::flash_attention_bwd", mutates_args=())
@@ -252,12 +322,18 @@ def _attn_bwd_op(
     causal: bool,
     window: Optional[int],
     scale: float,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, out, lse, dlse, causal, window, scale)
+    return _backward(
+        do, q, k, v, out, lse, dlse, causal, window, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    )
 
 
 @_attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, dlse, causal, window, scale):
+def _(do, q, k, v, out, lse, dlse, causal, window, scale, *packing):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -266,23 +342,52 @@ def _(do, q, k, v, out, lse, dlse, causal, window, scale):
 # --------------------------------------------------------------------------------------------------
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, window, scale):
-        out, lse = launch_or_op(_forward, _attn_fwd_op)(q, k, v, causal, window, scale)
-        ctx.causal, ctx.window, ctx.scale = causal, window, scale
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, causal, window, scale, cu_q, cu_k, max_q, max_k):
+        out, lse = launch_or_op(_forward, _attn_fwd_op)(q, k, v, causal, window, scale, cu_q, cu_k, max_q, max_k)
+        ctx.causal, ctx.window, ctx.scale, ctx.max_q, ctx.max_k = causal, window, scale, max_q, max_k
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        args = (dout, q, k, v, out, lse, dlse, ctx.causal, ctx.window, ctx.scale)
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        args = (dout, q, k, v, out, lse, dlse, ctx.causal, ctx.window, ctx.scale, cu_q, cu_k, ctx.max_q, ctx.max_k)
         dq, dk, dv = launch_or_op(_backward, _attn_bwd_op)(*args)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
 # Functional API
 # --------------------------------------------------------------------------------------------------
+def _check_qkv(q, k, v, ndim: int, heads_dim: int) -> None:
+    """dtype, device, rank, head dims and head counts: what both layouts share."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name, dtypes=(torch.float16, torch.bfloat16), ndim=ndim)
+    check_same_dtype(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v)
+    if k.shape[heads_dim] != v.shape[heads_dim]:
+        raise ValueError(f"k and v must have the same number of heads, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    for name, t in (("q and k", q), ("v", v)):
+        if not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim of {name} must be between 1 and {MAX_HEAD_DIM}, got {t.shape[-1]}")
+    if q.shape[heads_dim] % k.shape[heads_dim]:
+        raise ValueError(
+            f"query heads ({q.shape[heads_dim]}) must be a multiple of key/value heads ({k.shape[heads_dim]})"
+        )
+
+
+def _check_window(causal: bool, window: Optional[int]) -> Optional[int]:
+    if window is None:
+        return None
+    if not causal:
+        raise ValueError("window needs causal=True (a sliding window looks back from each query)")
+    if int(window) < 1:
+        raise ValueError(f"window must be a positive number of keys, got {window}")
+    return int(window)
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -299,32 +404,87 @@ def flash_attention(
     N = M); ``window=W`` (with causal) also hides keys j <= i + M - N - W. ``scale`` defaults to 1/sqrt(D).
     Returns out (B, Hq, N, Dv) in q's dtype, and with ``return_lse`` also the float32 log-sum-exp (B, Hq, N).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(t, name, dtypes=(torch.float16, torch.bfloat16), ndim=4)
-    check_same_dtype(q=q, k=k, v=v)
-    check_same_device(q=q, k=k, v=v)
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must agree on batch, heads and length, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    for name, t in (("q and k", q), ("v", v)):
-        if not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
-            raise ValueError(f"head dim of {name} must be between 1 and {MAX_HEAD_DIM}, got {t.shape[-1]}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    if window is not None:
-        if not causal:
-            raise ValueError("window needs causal=True (a sliding window looks back from each query)")
-        if int(window) < 1:
-            raise ValueError(f"window must be a positive number of keys, got {window}")
-        window = int(window)
+    _check_qkv(q, k, v, ndim=4, heads_dim=1)
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same length, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    window = _check_window(causal, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if use_triton(q, k, v, op="flash_attention"):
-        out, lse = _FlashAttention.apply(q, k, v, bool(causal), window, scale)
+        out, lse = _FlashAttention.apply(q, k, v, bool(causal), window, scale, None, None, 0, 0)
     else:  # CPU without the interpreter: the reference, differentiated by autograd
         out, lse = attention_ref(q, k, v, bool(causal), window, scale, return_lse=True)
+    return (out, lse) if return_lse else out
+
+
+def _check_offsets(cu: torch.Tensor, name: str, total: int, max_seqlen: int, device) -> None:
+    """cu_seqlens: int32 on q's device, (B + 1,), from 0 up to ``total`` without decreasing, no sequence longer
+    than ``max_seqlen``. The values are read on the host (one small copy) unless torch.compile is tracing or a
+    CUDA graph is capturing, where a copy to the host is not allowed: there the caller vouches for them."""
+    check_tensor(cu, name, dtypes=(torch.int32,), ndim=1)
+    if cu.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {cu.device}")
+    if cu.numel() < 1:
+        raise ValueError(f"{name} must hold at least one offset (0), got an empty tensor")
+    if torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    if any(n < 0 for n in lengths):
+        i = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"{name} must not decrease, got {offsets[i]} then {offsets[i + 1]} at index {i}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name} must end at the number of tokens ({total}), got {offsets[-1]}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"a sequence of {max(lengths)} tokens is longer than max_seqlen ({max_seqlen}) for {name}")
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    window: Optional[int] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Attention over packed sequences, FlashAttention's ``flash_attn_varlen_func``: q (total_q, Hq, D), k
+    (total_k, Hkv, D), v (total_k, Hkv, Dv), sequence b at rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v; its queries see its keys only.
+
+    ``cu_seqlens_*``: int32 (B + 1,) offsets from 0 to the token count; ``max_seqlen_*``: the longest sequence
+    (bounds the grid). Masks are per sequence, as in :func:`flash_attention`. Returns out (total_q, Hq, Dv), and
+    with ``return_lse`` also the float32 log-sum-exp (Hq, total_q), FlashAttention's layout.
+    """
+    _check_qkv(q, k, v, ndim=3, heads_dim=1)
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must count the same sequences, got {tuple(cu_seqlens_q.shape)} "
+            f"and {tuple(cu_seqlens_k.shape)}"
+        )
+    max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
+    if max_q < 0 or max_k < 0:
+        raise ValueError(f"max_seqlen_q and max_seqlen_k must not be negative, got {max_q} and {max_k}")
+    _check_offsets(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_q, q.device)
+    _check_offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_k, q.device)
+    window = _check_window(causal, window)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if use_triton(q, k, v, op="flash_attention_varlen"):
+        # one tensor for both offsets (self-attention) goes in once: Dynamo refuses a tensor twice in apply()
+        cu_k = None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k
+        args = (bool(causal), window, scale, cu_seqlens_q, cu_k, max_q, max_k)
+        out, lse = _FlashAttention.apply(q, k, v, *args)
+    else:  # CPU without the interpreter: the reference, differentiated by autograd
+        out, lse = attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, scale, return_lse=True)
     return (out, lse) if return_lse else out
 
 
@@ -358,7 +518,14 @@ class MultiHeadAttention(torch.nn.Module):
         self.qkv = torch.nn.Linear(dim, qkv_out, bias=False, device=device, dtype=dtype)
         self.proj = torch.nn.Linear(dim, dim, bias=False, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None
+    ) -> torch.Tensor:
+        """x (B, N, dim); or packed documents (tokens, dim) with their int32 offsets ``cu_seqlens`` (B + 1,) and
+        longest length ``max_seqlen`` (read from the offsets if not given): each document attends to itself
+        only, and its rotary positions start at 0."""
+        if cu_seqlens is not None:
+            return self._forward_packed(x, cu_seqlens, max_seqlen)
         B, N, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -372,3 +539,27 @@ class MultiHeadAttention(torch.nn.Module):
             q, k = rope(q, cos, sin), rope(k, cos, sin)
         out = flash_attention(q, k, v, causal=self.causal, window=self.window)  # (B, H, N, D)
         return self.proj(out.transpose(1, 2).reshape(B, N, H * D))
+
+    def _forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: Optional[int]) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"with cu_seqlens, x must be packed (tokens, dim), got {tuple(x.shape)}")
+        T = x.shape[0]
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if max_seqlen is None:
+            max_seqlen = int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        if self.rope:
+            from .rope import rope, rope_cos_sin
+
+            # each token's position within its document: its row minus its document's first row
+            starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff(), output_size=T)
+            position = torch.arange(T, device=x.device) - starts
+            cos, sin = rope_cos_sin(max(int(max_seqlen), 1), D, device=x.device)
+            cos, sin = cos[position], sin[position]  # (T, D/2)
+            as_batch = lambda t: t.transpose(0, 1)[None]  # noqa: E731  (T, H, D) viewed as (1, H, T, D)
+            q, k = rope(as_batch(q), cos, sin)[0].transpose(0, 1), rope(as_batch(k), cos, sin)[0].transpose(0, 1)
+        out = flash_attention_varlen(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=self.causal, window=self.window
+        )  # (T, H, D)
+        return self.proj(out.reshape(T, H * D))

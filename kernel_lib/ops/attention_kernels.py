@@ -1,5 +1,11 @@
 """The Triton kernels of kernel_lib.attention (flash attention forward, and its dK/dV and dQ backward kernels).
 
+Every kernel serves both layouts: fixed length, (B, H, N, D) tensors with one length for the batch; and packed
+sequences (VARLEN), (total tokens, H, D) tensors where sequence b holds rows cu_seqlens[b] to cu_seqlens[b + 1].
+A program reads its sequence's first row and length, and addresses every tensor as
+``ptr + b * stride_b + h * stride_h + (row0 + position) * stride_position`` (stride_b is 0 when packed, row0 is 0
+when not), so the loops, masks and tiles are the same code for both.
+
 Split from ``attention.py``, which holds the definition, launchers, registration and API and documents the
 algorithm; copy both files (and ``_utils.py``) together.
 """
@@ -130,30 +136,57 @@ def _key_range(start_m, N, M, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDO
 
 
 @triton.jit
-def _head_base(ptr, b, h, stride_b, stride_h):
-    """Pointer to position 0 of head h of batch b; int64 offsets (B * H * N * D may pass 2^31)."""
-    return ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+def _head_offset(b, h, row0, stride_b, stride_h, stride_n, VARLEN: tl.constexpr):
+    """Offset of position 0 of head h of sequence b, whose rows start at row0 when packed (VARLEN); int64 (B * H *
+    N * D may pass 2^31)."""
+    offset = b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    if VARLEN:
+        offset += row0.to(tl.int64) * stride_n
+    return offset
 
 
 @triton.jit
-def _query_block(q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP,
-                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """This program's first query, (batch * head) index, query offsets, q/k and v head-dim offsets, and the q, k
-    and v pointers to position 0 of its query head and of the key/value head that head reads (the forward and dQ
-    kernels). Under a causal mask the last query blocks see the most keys; they get the first program ids, so the
-    longest programs start first and the short ones fill the tail."""
+def _head_base(ptr, b, h, row0, stride_b, stride_h, stride_n, VARLEN: tl.constexpr):
+    """Pointer to position 0 of head h of sequence b (see _head_offset)."""
+    return ptr + _head_offset(b, h, row0, stride_b, stride_h, stride_n, VARLEN)
+
+
+@triton.jit
+def _sequence(cu_q_ptr, cu_k_ptr, b, N, M, VARLEN: tl.constexpr):
+    """First query row, first key row, and the query and key lengths of sequence b: read from the offsets when
+    packed, else 0, 0, N, M."""
+    q0 = 0
+    k0 = 0
+    if VARLEN:
+        q0 = tl.load(cu_q_ptr + b)
+        N = tl.load(cu_q_ptr + b + 1) - q0
+        k0 = tl.load(cu_k_ptr + b)
+        M = tl.load(cu_k_ptr + b + 1) - k0
+    return q0, k0, N, M
+
+
+@triton.jit
+def _query_block(q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, Hq, GROUP,
+                 N, M, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 VARLEN: tl.constexpr):  # fmt: skip
+    """This program's first query, sequence, head, first query row, the sequence's query and key lengths, query
+    offsets, q/k and v head-dim offsets, and the q, k and v pointers to position 0 of its query head and of the
+    key/value head that head reads (the forward and dQ kernels). Under a causal mask the last query blocks see the
+    most keys; they get the first program ids, so the longest programs start first and the short ones fill the
+    tail. Packed, the grid covers the longest sequence: start_m may pass a shorter one's N (the caller returns)."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
     hk = h // GROUP
+    q0, k0, N, M = _sequence(cu_q_ptr, cu_k_ptr, b, N, M, VARLEN)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_base = _head_base(q_ptr, b, h, sqb, sqh)
-    k_base = _head_base(k_ptr, b, hk, skb, skh)
-    v_base = _head_base(v_ptr, b, hk, svb, svh)
-    return start_m, bh, offs_m, offs_dk, offs_dv, q_base, k_base, v_base
+    q_base = _head_base(q_ptr, b, h, q0, sqb, sqh, sqn, VARLEN)
+    k_base = _head_base(k_ptr, b, hk, k0, skb, skh, skn, VARLEN)
+    v_base = _head_base(v_ptr, b, hk, k0, svb, svh, svn, VARLEN)
+    return start_m, b, h, q0, N, M, offs_m, offs_dk, offs_dv, q_base, k_base, v_base
 
 
 @triton.jit
@@ -223,12 +256,15 @@ _VARYING = ["N", "M", "WINDOW_SIZE"]
 @triton.jit(do_not_specialize=_VARYING)
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D_QK), (B, Hkv, M, D_QK), (B, Hkv, M, D_V); unit stride along the head dim
-    out_ptr,  # (B, Hq, N, D_V) contiguous, q's dtype
-    lse_ptr,  # (B, Hq, N) float32, natural log
-    sqb, sqh, sqn,  # q strides: batch, head, position
+    out_ptr,  # (B, Hq, N, D_V), q's dtype, unit stride along the head dim
+    lse_ptr,  # (B, Hq, N) float32, natural log, unit stride along positions
+    cu_q_ptr, cu_k_ptr,  # (B + 1,) int32 first row of each sequence in q and k (used when VARLEN)
+    sqb, sqh, sqn,  # q strides: batch, head, position (batch strides are 0 when packed)
     skb, skh, skn,  # k strides
     svb, svh, svn,  # v strides
-    Hq, N, M,  # query heads, query length, key length
+    sob, soh, son,  # out strides
+    slb, slh,  # lse strides: batch, head
+    Hq, N, M,  # query heads, query length, key length (packed: the longest sequence's)
     GROUP,  # query heads per key/value head
     qk_scale,  # scale * log2(e): scores are kept in base 2
     WINDOW_SIZE,  # window length W (used when WINDOW)
@@ -239,12 +275,17 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr,  # bottom-right causal mask
     WINDOW: tl.constexpr,  # sliding window on top of causal
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter's bf16 dot is wrong)
+    VARLEN: tl.constexpr,  # packed sequences: lengths and first rows from cu_q_ptr, cu_k_ptr
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    start_m, bh, offs_m, offs_dk, offs_dv, q_base, k_base, v_base = _query_block(
-        q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP, BLOCK_DQK, BLOCK_DV, BLOCK_M
-    )
+    start_m, b, h, q0, N, M, offs_m, offs_dk, offs_dv, q_base, k_base, v_base = _query_block(
+        q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, Hq, GROUP, N, M,
+        BLOCK_DQK, BLOCK_DV, BLOCK_M, VARLEN,
+    )  # fmt: skip
+    if VARLEN:
+        if start_m >= N:  # past this sequence's end: the grid covers the longest one
+            return
     q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -267,9 +308,8 @@ def _attn_fwd_kernel(
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
-    row_base = bh.to(tl.int64) * N
-    _store_tile(out_ptr + row_base * D_V, out, offs_m, D_V, N, offs_dv, D_V, BLOCK_DV)
-    tl.store(lse_ptr + row_base + offs_m, lse, mask=offs_m < N)
+    _store_tile(_head_base(out_ptr, b, h, q0, sob, soh, son, VARLEN), out, offs_m, son, N, offs_dv, D_V, BLOCK_DV)
+    tl.store(_head_base(lse_ptr, b, h, q0, slb, slh, 1, VARLEN) + offs_m, lse, mask=offs_m < N)
 
 
 # Backward configs, one list per kernel: the dK/dV kernel holds BLOCK_N keys and streams BLOCK_M queries (and
@@ -317,30 +357,35 @@ def _smem_bytes_dq(config, args) -> int:
 
 @triton.jit(do_not_specialize=["N"])
 def _attn_bwd_prep_kernel(
-    out_ptr, do_ptr,  # (B * Hq * N, D_V) contiguous each: the forward's output and its gradient
-    lse_ptr,  # (B * Hq * N,) float32: the forward's log-sum-exp (natural log; -inf for a query that sees no key)
-    dlse_ptr,  # (B * Hq * N,) float32: gradient flowing into lse; unused when HAS_DLSE is False
-    delta_ptr,  # output (B * Hq, STAT_STRIDE) float32: rowsum(dout * out) - dlse
-    lse2_ptr,  # output (B * Hq, STAT_STRIDE) float32: lse in base 2, +inf where lse is -inf (so 2^(s - lse2) = 0)
-    N,  # queries per head
-    STAT_STRIDE,  # N rounded up to a multiple of 16: each head's statistics start 64-byte aligned
+    out_ptr, do_ptr,  # (B, Hq, N, D_V) each, same strides: the forward's output and its gradient
+    lse_ptr,  # (B, Hq, N) float32: the forward's log-sum-exp (natural log; -inf for a query that sees no key)
+    dlse_ptr,  # float32 gradient flowing into lse, lse's layout; unused when HAS_DLSE is False
+    delta_ptr,  # output float32 statistics: rowsum(dout * out) - dlse
+    lse2_ptr,  # output, delta's layout: lse in base 2, +inf where lse is -inf (so 2^(s - lse2) = 0)
+    cu_q_ptr,  # (B + 1,) int32 first row of each sequence (used when VARLEN)
+    sob, soh, son,  # strides of out and dout
+    slb, slh,  # strides of lse and dlse: batch, head (unit along positions)
+    ssb, ssh,  # strides of delta and lse2: batch, head (unit along positions; rows 64-byte aligned unless packed)
+    Hq, N,  # query heads, queries per head (packed: the longest sequence's)
     D_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # head dim of out, and its power-of-two padding
     HAS_DLSE: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed sequences
     BLOCK_R: tl.constexpr,  # queries per program
 ):  # fmt: skip
+    b = tl.program_id(1) // Hq
+    h = tl.program_id(1) % Hq
+    q0, _, N, _ = _sequence(cu_q_ptr, cu_q_ptr, b, N, N, VARLEN)
     offs_n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    bh = tl.program_id(1).to(tl.int64)
     n_mask = offs_n < N
     offs_d = tl.arange(0, BLOCK_DV)
-    rows = bh * N + offs_n  # in out, dout, lse, dlse
-    out = _load_tile(out_ptr, rows, D_V, bh * N + N, offs_d, D_V, BLOCK_DV).to(tl.float32)
-    do = _load_tile(do_ptr, rows, D_V, bh * N + N, offs_d, D_V, BLOCK_DV).to(tl.float32)
-    delta = tl.sum(out * do, axis=1)
+    out = _load_tile(_head_base(out_ptr, b, h, q0, sob, soh, son, VARLEN), offs_n, son, N, offs_d, D_V, BLOCK_DV)
+    do = _load_tile(_head_base(do_ptr, b, h, q0, sob, soh, son, VARLEN), offs_n, son, N, offs_d, D_V, BLOCK_DV)
+    delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:
-        delta -= tl.load(dlse_ptr + rows, mask=n_mask, other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=n_mask, other=0.0)
+        delta -= tl.load(_head_base(dlse_ptr, b, h, q0, slb, slh, 1, VARLEN) + offs_n, mask=n_mask, other=0.0)
+    lse = tl.load(_head_base(lse_ptr, b, h, q0, slb, slh, 1, VARLEN) + offs_n, mask=n_mask, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    stats = bh * STAT_STRIDE + offs_n
+    stats = _head_offset(b, h, q0, ssb, ssh, 1, VARLEN) + offs_n
     tl.store(delta_ptr + stats, delta, mask=n_mask)
     tl.store(lse2_ptr + stats, lse2, mask=n_mask)
 
@@ -349,7 +394,7 @@ def _attn_bwd_prep_kernel(
 def _dkdv_steps(
     dk, dv, k, v,  # (BLOCK_N, BLOCK_DQK / BLOCK_DV) float32 accumulators; this program's key and value tiles
     q_base, do_base, lse2_base, delta_base,  # pointers to row 0 of this query head
-    offs_n, offs_dk, offs_dv, sqn,  # this program's key positions, the head dims, q's position stride
+    offs_n, offs_dk, offs_dv, sqn, son,  # this program's key positions, the head dims, q's and dout's row strides
     q_start, q_end,  # query blocks [q_start, q_end), q_start a multiple of BLOCK_M
     N, M, qk_scale, WINDOW_SIZE,
     MASK: tl.constexpr,  # apply the causal/window mask (only blocks on its edge need it)
@@ -363,7 +408,7 @@ def _dkdv_steps(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_valid = offs_m < N
         q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
-        do = _load_tile(do_base, offs_m, D_V, N, offs_dv, D_V, BLOCK_DV)
+        do = _load_tile(do_base, offs_m, son, N, offs_dv, D_V, BLOCK_DV)
         lse2 = tl.load(lse2_base + offs_m, mask=m_valid, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=m_valid, other=0.0)
         if DOT_FP32:
@@ -380,30 +425,39 @@ def _dkdv_steps(
 
 @triton.jit(do_not_specialize=["WINDOW_SIZE"])
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # q (B, Hq, N, D_QK), k (B, Hkv, M, D_QK), v (B, Hkv, M, D_V), dout contiguous
-    lse2_ptr, delta_ptr,  # (B * Hq, STAT_STRIDE) float32: base-2 log-sum-exp and rowsum(dout * out), from prep
-    dk_ptr, dv_ptr,  # outputs (B, Hkv, M, D_QK) and (B, Hkv, M, D_V) contiguous
-    sqb, sqh, sqn,  # q strides
+    q_ptr, k_ptr, v_ptr, do_ptr,  # q (B, Hq, N, D_QK), k (B, Hkv, M, D_QK), v (B, Hkv, M, D_V), dout (out's layout)
+    lse2_ptr, delta_ptr,  # float32 statistics from prep: base-2 log-sum-exp and rowsum(dout * out)
+    dk_ptr, dv_ptr,  # outputs (B, Hkv, M, D_QK) and (B, Hkv, M, D_V), unit stride along the head dim
+    cu_q_ptr, cu_k_ptr,  # (B + 1,) int32 first row of each sequence in q and k (used when VARLEN)
+    sqb, sqh, sqn,  # q strides (batch strides are 0 when packed)
     skb, skh, skn,  # k strides
     svb, svh, svn,  # v strides
-    Hq, Hkv, N, M, GROUP,  # heads, lengths, query heads per key/value head
-    STAT_STRIDE,  # row stride of lse2 and delta (a multiple of 16)
+    sob, soh, son,  # dout strides
+    sdkb, sdkh, sdkn,  # dk strides
+    sdvb, sdvh, sdvn,  # dv strides
+    ssb, ssh,  # strides of lse2 and delta: batch, head (unit along positions)
+    Hq, Hkv, N, M, GROUP,  # heads, lengths (packed: the longest sequence's), query heads per key/value head
     scale,  # softmax scale
     WINDOW_SIZE,  # window length W (used when WINDOW)
     D_QK: tl.constexpr, D_V: tl.constexpr,  # head dims, and their power-of-two paddings
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed sequences
     BLOCK_M: tl.constexpr,  # queries per step
     BLOCK_N: tl.constexpr,  # keys per program
 ):  # fmt: skip
     start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
-    b, hk = bhk // Hkv, bhk % Hkv
+    b = tl.program_id(1) // Hkv
+    hk = tl.program_id(1) % Hkv
+    q0, k0, N, M = _sequence(cu_q_ptr, cu_k_ptr, b, N, M, VARLEN)
+    if VARLEN:
+        if start_n >= M:  # past this sequence's keys: the grid covers the longest one
+            return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_base = _head_base(k_ptr, b, hk, skb, skh)
-    v_base = _head_base(v_ptr, b, hk, svb, svh)
+    k_base = _head_base(k_ptr, b, hk, k0, skb, skh, skn, VARLEN)
+    v_base = _head_base(v_ptr, b, hk, k0, svb, svh, svn, VARLEN)
     k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -425,25 +479,26 @@ def _attn_bwd_dkdv_kernel(
     qk_scale = scale * 1.4426950408889634
     for g in range(0, GROUP):  # every query head reading this key/value head
         h = hk * GROUP + g
-        q_base = _head_base(q_ptr, b, h, sqb, sqh)
-        row_base = (b * Hq + h).to(tl.int64) * N
-        do_base = do_ptr + row_base * D_V
-        lse2_base = lse2_ptr + (b * Hq + h).to(tl.int64) * STAT_STRIDE
-        delta_base = delta_ptr + (b * Hq + h).to(tl.int64) * STAT_STRIDE
+        q_base = _head_base(q_ptr, b, h, q0, sqb, sqh, sqn, VARLEN)
+        do_base = _head_base(do_ptr, b, h, q0, sob, soh, son, VARLEN)
+        stats = _head_offset(b, h, q0, ssb, ssh, 1, VARLEN)
+        lse2_base = lse2_ptr + stats
+        delta_base = delta_ptr + stats
         if CAUSAL:
             dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv,
-                                 sqn, q_lo, full_lo, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_M,
+                                 sqn, son, q_lo, full_lo, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_M,
                                  D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
         dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv,
-                             sqn, full_lo, full_hi, N, M, qk_scale, WINDOW_SIZE, False, WINDOW, DOT_FP32, BLOCK_M,
+                             sqn, son, full_lo, full_hi, N, M, qk_scale, WINDOW_SIZE, False, WINDOW, DOT_FP32, BLOCK_M,
                              D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
         if WINDOW:
             dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv,
-                                 sqn, full_hi, q_hi, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_M,
+                                 sqn, son, full_hi, q_hi, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_M,
                                  D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
-    kv_row = bhk.to(tl.int64) * M
-    _store_tile(dk_ptr + kv_row * D_QK, dk * scale, offs_n, D_QK, M, offs_dk, D_QK, BLOCK_DQK)
-    _store_tile(dv_ptr + kv_row * D_V, dv, offs_n, D_V, M, offs_dv, D_V, BLOCK_DV)
+    dk_base = _head_base(dk_ptr, b, hk, k0, sdkb, sdkh, sdkn, VARLEN)
+    dv_base = _head_base(dv_ptr, b, hk, k0, sdvb, sdvh, sdvn, VARLEN)
+    _store_tile(dk_base, dk * scale, offs_n, sdkn, M, offs_dk, D_QK, BLOCK_DQK)
+    _store_tile(dv_base, dv, offs_n, sdvn, M, offs_dv, D_V, BLOCK_DV)
 
 
 @triton.jit
@@ -471,27 +526,35 @@ def _dq_steps(
 @triton.jit(do_not_specialize=["WINDOW_SIZE"])
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # as in the dK/dV kernel
-    lse2_ptr, delta_ptr,  # (B * Hq, STAT_STRIDE) float32
-    dq_ptr,  # output (B, Hq, N, D_QK) contiguous
+    lse2_ptr, delta_ptr,  # float32 statistics from prep
+    dq_ptr,  # output (B, Hq, N, D_QK), unit stride along the head dim
+    cu_q_ptr, cu_k_ptr,  # (B + 1,) int32 first row of each sequence in q and k (used when VARLEN)
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,  # strides of q, k, v
-    Hq, N, M, GROUP,  # heads, lengths, query heads per key/value head
-    STAT_STRIDE,  # row stride of lse2 and delta (a multiple of 16)
+    sob, soh, son,  # dout strides
+    sdqb, sdqh, sdqn,  # dq strides
+    ssb, ssh,  # strides of lse2 and delta: batch, head (unit along positions)
+    Hq, N, M, GROUP,  # heads, lengths (packed: the longest sequence's), query heads per key/value head
     scale,  # softmax scale
     WINDOW_SIZE,  # window length W (used when WINDOW)
     D_QK: tl.constexpr, D_V: tl.constexpr,  # head dims, and their power-of-two paddings
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed sequences
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    start_m, bh, offs_m, offs_dk, offs_dv, q_base, k_base, v_base = _query_block(
-        q_ptr, k_ptr, v_ptr, sqb, sqh, skb, skh, svb, svh, Hq, GROUP, BLOCK_DQK, BLOCK_DV, BLOCK_M
-    )
-    row_base = bh.to(tl.int64) * N
+    start_m, b, h, q0, N, M, offs_m, offs_dk, offs_dv, q_base, k_base, v_base = _query_block(
+        q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, Hq, GROUP, N, M,
+        BLOCK_DQK, BLOCK_DV, BLOCK_M, VARLEN,
+    )  # fmt: skip
+    if VARLEN:
+        if start_m >= N:  # past this sequence's end: the grid covers the longest one
+            return
     q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
-    do = _load_tile(do_ptr + row_base * D_V, offs_m, D_V, N, offs_dv, D_V, BLOCK_DV)
-    lse2 = tl.load(lse2_ptr + bh.to(tl.int64) * STAT_STRIDE + offs_m, mask=offs_m < N, other=0.0)
-    delta = tl.load(delta_ptr + bh.to(tl.int64) * STAT_STRIDE + offs_m, mask=offs_m < N, other=0.0)
+    do = _load_tile(_head_base(do_ptr, b, h, q0, sob, soh, son, VARLEN), offs_m, son, N, offs_dv, D_V, BLOCK_DV)
+    stats = _head_offset(b, h, q0, ssb, ssh, 1, VARLEN)
+    lse2 = tl.load(lse2_ptr + stats + offs_m, mask=offs_m < N, other=0.0)
+    delta = tl.load(delta_ptr + stats + offs_m, mask=offs_m < N, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -511,11 +574,12 @@ def _attn_bwd_dq_kernel(
         dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
                        full_hi, hi, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_N,
                        D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
-    _store_tile(dq_ptr + row_base * D_QK, dq * scale, offs_m, D_QK, N, offs_dk, D_QK, BLOCK_DQK)
+    dq_base = _head_base(dq_ptr, b, h, q0, sdqb, sdqh, sdqn, VARLEN)
+    _store_tile(dq_base, dq * scale, offs_m, sdqn, N, offs_dk, D_QK, BLOCK_DQK)
 
 
 # The same kernels under triton.autotune, launched instead when KERNEL_LIB_AUTOTUNE=1.
-_TUNING_KEY = ["N", "M", "D_QK", "D_V", "CAUSAL", "WINDOW"]
+_TUNING_KEY = ["N", "M", "D_QK", "D_V", "CAUSAL", "WINDOW", "VARLEN"]
 _attn_fwd_tuned = autotuned(_attn_fwd_kernel, _FWD_CONFIGS, _TUNING_KEY, _smem_bytes)
 _attn_bwd_dkdv_tuned = autotuned(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS, _TUNING_KEY, _smem_bytes_dkdv)
 _attn_bwd_dq_tuned = autotuned(_attn_bwd_dq_kernel, _DQ_CONFIGS, _TUNING_KEY, _smem_bytes_dq)
