@@ -1,11 +1,21 @@
-"""kernel_lib.flash_attention against PyTorch's SDPA backends and compiled FlexAttention, on a GPU.
+"""kernel_lib.flash_attention against PyTorch's SDPA backends, compiled FlexAttention and FlashAttention-4, on a GPU.
 
-bf16, 16k tokens per batch (B = 16384 / N), 2048 / D heads, N from 1k to 16k, D 64 and 128, causal and not, plus a
-sliding window of 1024 at N = 8192. TFLOP/s counts 4 B H N M D for the forward (only the visible part of the
-matrix: half when causal, the band for a window) and 2.5x that for the backward. Every implementation's output is
-compared with kernel_lib's and, on the last 128 queries of one head, with float64. Peak memory of forward +
-backward is measured against the eager reference that materializes the N x N scores. Writes
-<out>/attention.csv and prints a table.
+Sections (``--sections``, all by default):
+
+* sweep: bf16, 16k tokens per batch (B = 16384 / N), 2048 / D heads, N from 1k to 16k, D 64 and 128, causal and
+  not, plus a sliding window of 1024 at N = 8192.
+* head-dims: the head dims real models use (80, 96, 192 for q/k with 128 for v, 256) at N = 4096, same budget.
+* packed: 8 documents of random lengths summing to 16k tokens, D 128, 16 heads, causal: flash_attention_varlen
+  against FA4's flash_attn_varlen_func, FlexAttention with a document mask (block mask built outside the timing),
+  SDPA on nested (jagged) tensors, and SDPA over the batch padded to the longest document (the padded SDPA call
+  alone is timed, its best case).
+* memory: peak memory of forward + backward against the eager reference that materializes the N x N scores.
+
+TFLOP/s counts 4 B H N M D for the forward (only the visible part of the matrix: half when causal, the band for a
+window, the documents' own triangles when packed) and 2.5x that for the backward. Every implementation's output
+is compared with kernel_lib's and, on the last 128 queries of one head, with float64. FA4 (the flash-attn-4
+package, FlashAttention's CuTe-DSL kernels) runs when ``flash_attn.cute`` imports. Writes <out>/attention.csv and
+prints a table.
 """
 
 import argparse
@@ -16,6 +26,29 @@ import torch
 import torch.nn.functional as F
 
 from kernel_lib import attention_ref, bench, flash_attention
+from kernel_lib.ops.attention import attention_varlen_ref, flash_attention_varlen
+
+
+def fa4_module():
+    """FlashAttention-4's interface, or None when the flash-attn-4 package is not installed."""
+    try:
+        import flash_attn.cute as fa4
+    except Exception as error:  # not installed, or its CUTLASS DSL missing
+        print(f"FA4 not measured: {type(error).__name__}: {error}")
+        return None
+    return fa4
+
+
+def fa4_runner(fa4):
+    def run(q, k, v, causal, window):
+        # FA4 takes (B, N, H, D): transposed views of our (B, H, N, D) tensors, no copy
+        left = None if window is None else window - 1
+        out = fa4.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                                  window_size=(left, 0 if window is not None else None))  # fmt: skip
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2)
+
+    return run
 
 
 def sdpa_with(backend):
@@ -63,34 +96,28 @@ def flex_attention_runner():
     return run
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results")
-    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    parser.add_argument("--head-dims", default="64,128")
-    args = parser.parse_args()
-    env = bench.require_gpu("bench_attention")
-    from torch.nn.attention import SDPBackend
+def time_case(rows: list, name: str, fn, inputs: tuple, fwd_flops: float, ok: bool, **fields) -> None:
+    """Time fn(*inputs) forward, and forward + backward (gradients of the floating inputs), into rows."""
+    leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    wrt = [t for t in leaves if t.requires_grad]
+    dout = torch.randn_like(fn(*inputs))
+    forward = bench.time_fn(lambda: fn(*inputs))
+    both = bench.time_fn(lambda: torch.autograd.grad(fn(*leaves), wrt, dout))
+    base = dict(impl=name, **fields, correct=ok)
+    rows.append({**bench.result_row("attention", forward, flops=fwd_flops, **base), "pass": "forward"})
+    rows.append({**bench.result_row("attention", both, flops=3.5 * fwd_flops, **base), "pass": "forward+backward"})
+    print(f"{fields} {name}: forward {rows[-2]['tflops']:.0f} TFLOP/s, forward+backward {rows[-1]['tflops']:.0f} "
+          f"TFLOP/s, correct={ok}", flush=True)  # fmt: skip
 
-    peak = bench.matmul_tflops(torch.bfloat16)
-    print(f"bf16 matmul ceiling: {peak:,.0f} TFLOP/s")
-    impls = {
-        "kernel_lib": lambda q, k, v, causal, window: flash_attention(q, k, v, causal=causal, window=window),
-        "SDPA FLASH": sdpa_with(SDPBackend.FLASH_ATTENTION),
-        "SDPA CUDNN": sdpa_with(SDPBackend.CUDNN_ATTENTION),
-        "SDPA EFFICIENT": sdpa_with(SDPBackend.EFFICIENT_ATTENTION),
-        "FlexAttention (compiled)": flex_attention_runner(),
-    }
-    lengths = [int(n) for n in args.lengths.split(",")]
-    head_dims = [int(d) for d in args.head_dims.split(",")]
-    cases = [(N, D, causal, None) for D in head_dims for N in lengths for causal in (False, True)]
-    cases.append((8192, 128, True, 1024))
-    rows = []
-    for N, D, causal, window in cases:
+
+def fixed_length(rows: list, impls: dict, cases: list) -> None:
+    """(B, H, N, D) cases: (N, D, Dv, causal, window), 16k tokens a batch, 2048 / D heads."""
+    for N, D, Dv, causal, window in cases:
         B, H = max(1, 16384 // N), 2048 // D
-        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(B, H, N, Dv, device="cuda", dtype=torch.bfloat16)
         pairs = bench.visible_pairs(N, causal=causal, window=window)
-        fwd_flops = 4 * B * H * D * pairs
+        fwd_flops = 2 * B * H * (D + Dv) * pairs
         ours = flash_attention(q, k, v, causal=causal, window=window)
         tail = slice(N - 128, N)
         want = attention_ref(q[:1, :1, tail].double(), k[:1, :1].double(), v[:1, :1].double(), causal, window)
@@ -98,30 +125,116 @@ def main() -> int:
             try:
                 out = fn(q, k, v, causal, window)
             except Exception as error:  # a backend that does not support this case
-                print(f"N={N} D={D} causal={causal} window={window} {name}: unsupported ({type(error).__name__})")
+                print(f"N={N} D={D}/{Dv} causal={causal} window={window} {name}: unsupported "
+                      f"({type(error).__name__}: {str(error)[:120]})")  # fmt: skip
                 continue
             ok = bool((out[:1, :1, tail].double() - want).abs().max() < 2e-2) and bool((out - ours).abs().max() < 5e-2)
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            dout = torch.randn_like(out)
-            flags = (causal, window)
-            forward = bench.time_fn(lambda fn=fn, qkv=(q, k, v), flags=flags: fn(*qkv, *flags))
-            both = bench.time_fn(
-                lambda fn=fn, leaves=leaves, dout=dout, flags=flags: torch.autograd.grad(
-                    fn(*leaves, *flags), leaves, dout
-                )
-            )
-            base = dict(impl=name, B=B, H=H, N=N, D=D, causal=causal, window=window, correct=ok)
-            rows.append({**bench.result_row("attention", forward, flops=fwd_flops, **base), "pass": "forward"})
-            rows.append(
-                {**bench.result_row("attention", both, flops=3.5 * fwd_flops, **base), "pass": "forward+backward"}
-            )
-            print(f"N={N} D={D} causal={causal} window={window} {name}: forward {rows[-2]['tflops']:.0f} TFLOP/s, "
-                  f"forward+backward {rows[-1]['tflops']:.0f} TFLOP/s, correct={ok}", flush=True)  # fmt: skip
+            run = lambda q, k, v, fn=fn, flags=(causal, window): fn(q, k, v, *flags)  # noqa: E731
+            time_case(rows, name, run, (q, k, v), fwd_flops, ok, B=B, H=H, N=N, D=D, Dv=Dv, causal=causal,
+                      window=window)  # fmt: skip
         del q, k, v
         torch.cuda.empty_cache()
 
+
+def packed_documents(rows: list, fa4, documents: int = 8, total: int = 16384, H: int = 16, D: int = 128) -> None:
+    """Documents of random lengths packed into one (total, H, D) batch, causal within each document."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    gen = torch.Generator().manual_seed(0)
+    cuts = torch.randperm(total - 1, generator=gen)[: documents - 1].add(1).sort().values.tolist()
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+    print(f"packed documents: lengths {lengths}")
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    longest = max(lengths)
+    q, k, v = (torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fwd_flops = 4 * H * D * sum(bench.visible_pairs(n, causal=True) for n in lengths)
+    fields = dict(B=documents, H=H, N=total, D=D, Dv=D, causal=True, window=None, packed=True)
+
+    # Flex: one (1, H, total, D) sequence with a document-and-causal mask
+    document = torch.repeat_interleave(torch.arange(documents, device="cuda"), torch.tensor(lengths, device="cuda"))
+    block_mask = create_block_mask(lambda b, h, i, j: (document[i] == document[j]) & (j <= i), None, None, total,
+                                   total, device="cuda")  # fmt: skip
+    flex = torch.compile(flex_attention, dynamic=False)
+    as_one = lambda t: t.transpose(0, 1)[None]  # noqa: E731  (T, H, D) -> (1, H, T, D)
+    # SDPA over the padded batch: (documents, H, longest, D), is_causal (padding sits after each document)
+    padded = [torch.zeros(documents, H, longest, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    for t, p in zip((q, k, v), padded, strict=True):
+        for i, (a, n) in enumerate(zip(cu.tolist(), lengths, strict=False)):
+            p[i, :, :n] = t[a : a + n].transpose(0, 1)
+
+    def nested(t):
+        return torch.nested.nested_tensor_from_jagged(t, cu.long()).transpose(1, 2)  # (B, H, j, D)
+
+    impls = {
+        "kernel_lib": lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True),
+        "FlexAttention (document mask)": lambda q, k, v: flex(as_one(q), as_one(k), as_one(v),
+                                                              block_mask=block_mask)[0].transpose(0, 1),
+        "SDPA (nested jagged)": lambda q, k, v: F.scaled_dot_product_attention(
+            nested(q), nested(k), nested(v), is_causal=True).transpose(1, 2).values(),
+    }  # fmt: skip
+    if fa4 is not None:
+
+        def fa4_varlen(q, k, v):
+            out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                             max_seqlen_k=longest, causal=True)  # fmt: skip
+            return out[0] if isinstance(out, tuple) else out
+
+        impls["FA4 varlen"] = fa4_varlen
+    ours = impls["kernel_lib"](q, k, v)
+    first = slice(0, lengths[0])
+    want = attention_varlen_ref(q[first].double(), k[first].double(), v[first].double(), cu[:2], cu[:2], True)
+    assert (ours[first].double() - want).abs().max() < 2e-2, "kernel_lib's packed result is off"
+    for name, fn in impls.items():
+        try:
+            out = fn(q, k, v)
+        except Exception as error:
+            print(f"packed {name}: unsupported ({type(error).__name__}: {str(error)[:160]})")
+            continue
+        ok = bool((out.float() - ours.float()).abs().max() < 5e-2)
+        time_case(rows, name, fn, (q, k, v), fwd_flops, ok, **fields)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    time_case(rows, "SDPA (padded batch)", sdpa, tuple(padded), fwd_flops, True, **fields)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--sections", default="sweep,head-dims,packed,memory", help="comma-separated, see above")
+    parser.add_argument("--impls", default="", help="names to keep in sweep and head-dims, comma-separated (all)")
+    args = parser.parse_args()
+    env = bench.require_gpu("bench_attention")
+    from torch.nn.attention import SDPBackend
+
+    sections = set(args.sections.split(","))
+    peak = bench.matmul_tflops(torch.bfloat16)
+    print(f"bf16 matmul ceiling: {peak:,.0f} TFLOP/s")
+    fa4 = fa4_module()
+    impls = {
+        "kernel_lib": lambda q, k, v, causal, window: flash_attention(q, k, v, causal=causal, window=window),
+        "SDPA FLASH": sdpa_with(SDPBackend.FLASH_ATTENTION),
+        "SDPA CUDNN": sdpa_with(SDPBackend.CUDNN_ATTENTION),
+        "SDPA EFFICIENT": sdpa_with(SDPBackend.EFFICIENT_ATTENTION),
+        "FlexAttention (compiled)": flex_attention_runner(),
+    }
+    if fa4 is not None:
+        impls["FA4"] = fa4_runner(fa4)
+    if args.impls:
+        impls = {name: fn for name, fn in impls.items() if name in args.impls.split(",")}
+    rows = []
+    if "sweep" in sections:
+        lengths = [int(n) for n in args.lengths.split(",")]
+        head_dims = [int(d) for d in args.head_dims.split(",")]
+        cases = [(N, D, D, causal, None) for D in head_dims for N in lengths for causal in (False, True)]
+        fixed_length(rows, impls, [*cases, (8192, 128, 128, True, 1024)])
+    if "head-dims" in sections:
+        fixed_length(rows, impls, [(4096, D, Dv, causal, None) for D, Dv in ((80, 80), (96, 96), (192, 128),
+                                   (256, 256)) for causal in (False, True)])  # fmt: skip
+    if "packed" in sections:
+        packed_documents(rows, fa4)
     # Peak memory of forward + backward: kernel_lib against the eager reference that stores N x N scores.
-    for N in (1024, 2048, 4096, 8192):
+    for N in (1024, 2048, 4096, 8192) if "memory" in sections else ():
         q, k, v = (
             torch.randn(1, 16, N, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
         )

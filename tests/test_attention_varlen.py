@@ -133,6 +133,16 @@ def test_bad_offsets_are_named(cu_q, max_q, words):
         flash_attention_varlen(q, q, q, cu, cu_k, max_q, 10)
 
 
+def test_offsets_are_read_again_after_an_in_place_change():
+    # checked offsets are remembered (one host read per tensor), but a write to the tensor is seen
+    q = torch.randn(10, 2, 32).half()
+    cu = offsets([4, 6], "cpu")
+    flash_attention_varlen(q, q, q, cu, cu, 6, 6)
+    cu[1] = 7  # now 0, 7, 10: a sequence of 7 tokens
+    with pytest.raises(ValueError, match="a sequence of 7 tokens is longer than max_seqlen \\(6\\)"):
+        flash_attention_varlen(q, q, q, cu, cu, 6, 6)
+
+
 def test_bad_packing_is_named():
     q = torch.randn(10, 2, 32).half()
     cu = offsets([4, 6], "cpu")

@@ -38,6 +38,7 @@ fused-attention tutorial.
 """
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -418,16 +419,26 @@ def flash_attention(
     return (out, lse) if return_lse else out
 
 
+# Offsets tensors already checked, by id: a weak reference (the id of a freed tensor can come back), the version
+# counter (bumped by any in-place write) and what they were checked against. The layers of a model share one
+# cu_seqlens per batch, so only the first reads it to the host.
+_checked_offsets: dict[int, tuple] = {}
+
+
 def _check_offsets(cu: torch.Tensor, name: str, total: int, max_seqlen: int, device) -> None:
     """cu_seqlens: int32 on q's device, (B + 1,), from 0 up to ``total`` without decreasing, no sequence longer
-    than ``max_seqlen``. The values are read on the host (one small copy) unless torch.compile is tracing or a
-    CUDA graph is capturing, where a copy to the host is not allowed: there the caller vouches for them."""
+    than ``max_seqlen``. The values are read on the host (one small copy, which waits for the GPU) the first time
+    a tensor is seen, and again after any in-place change to it; not while torch.compile traces or a CUDA graph
+    captures, where a copy to the host is not allowed: there the caller vouches for them."""
     check_tensor(cu, name, dtypes=(torch.int32,), ndim=1)
     if cu.device != device:
         raise ValueError(f"{name} must be on q's device ({device}), got {cu.device}")
     if cu.numel() < 1:
         raise ValueError(f"{name} must hold at least one offset (0), got an empty tensor")
     if torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    seen = _checked_offsets.get(id(cu))
+    if seen is not None and seen[0]() is cu and seen[1:] == (cu._version, total) and seen[3] <= max_seqlen:
         return
     offsets = cu.tolist()
     if offsets[0] != 0:
@@ -440,6 +451,10 @@ def _check_offsets(cu: torch.Tensor, name: str, total: int, max_seqlen: int, dev
         raise ValueError(f"{name} must end at the number of tokens ({total}), got {offsets[-1]}")
     if lengths and max(lengths) > max_seqlen:
         raise ValueError(f"a sequence of {max(lengths)} tokens is longer than max_seqlen ({max_seqlen}) for {name}")
+    if len(_checked_offsets) > 256:  # forget the freed ones
+        for key in [key for key, entry in _checked_offsets.items() if entry[0]() is None]:
+            del _checked_offsets[key]
+    _checked_offsets[id(cu)] = (weakref.ref(cu), cu._version, total, max(lengths, default=0))
 
 
 def flash_attention_varlen(
