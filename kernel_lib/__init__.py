@@ -17,7 +17,13 @@ data and decoding), :mod:`kernel_lib.cuda` (RMSNorm and softmax in CUDA C++ as P
 """
 
 from . import bench, validate
-from .ops.attention import MultiHeadAttention, attention_ref, flash_attention
+from .ops.attention import (
+    MultiHeadAttention,
+    attention_ref,
+    attention_varlen_ref,
+    flash_attention,
+    flash_attention_varlen,
+)
 from .ops.cross_entropy import cross_entropy, cross_entropy_ref
 from .ops.grouped_mm import grouped_mm, grouped_mm_ref
 from .ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
@@ -33,7 +39,9 @@ __all__ = [
     "bench",
     "validate",
     "flash_attention",
+    "flash_attention_varlen",
     "attention_ref",
+    "attention_varlen_ref",
     "MultiHeadAttention",
     "cross_entropy",
     "cross_entropy_ref",
