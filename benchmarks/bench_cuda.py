@@ -37,7 +37,8 @@ dweight (a few per SM, summed by a last kernel): costs of an implementation, not
 GB/s over the copy bandwidth measured at the start of the same run (``bench.copy_bandwidth``: bytes read +
 written). ``vs_triton`` and ``vs_compile`` are that peer's median time over the row's: above 1, the row is faster.
 
-The ladder's steps, their kernels and the ``best`` rule are described at the top of ``kernel_lib/cuda/csrc/kernels.cu``.
+The ladder's steps, their kernels and the ``best`` rule are described in notebook 05a (kernels in
+``kernel_lib/cuda/csrc/rms_norm.cu`` and ``softmax.cu``).
 RMSNorm has no ``online`` step of its own (``online`` runs its two-pass ``vectorized`` kernel), so it is measured for
 softmax only. ``--tiny`` is a smoke test of this script on the CPU, whatever the machine: the C++ CPU operator
 (which runs the same loop for every variant), Triton interpreted, ``torch.compile`` with ``backend="eager"``

@@ -1,10 +1,12 @@
 """Build and load the C++/CUDA extension once per source version, machine and architecture.
 
-``torch.utils.cpp_extension.load`` compiles ``csrc/ops.cpp`` with the host compiler, and ``csrc/kernels.cu`` with
-nvcc when a CUDA device and nvcc are both present, into a shared library that registers the ``kernel_lib_cuda::``
-operators when loaded. The build folder's name is a hash of the sources, torch's version and the target
-architecture, under ``~/.cache/kernel_lib/cuda`` (``KERNEL_LIB_CUDA_CACHE`` overrides it): a second process, or
-a second notebook run, finds the library and loads it without compiling (ninja sees nothing to do).
+``torch.utils.cpp_extension.load`` compiles ``csrc/ops.cpp`` with the host compiler, and the CUDA sources (one
+``.cu`` per op, ``csrc/rms_norm.cu`` and ``csrc/softmax.cu``, sharing the ``.cuh`` headers) with nvcc, side by
+side (ninja runs one compiler per source), when a CUDA device and nvcc are both present, into a shared library
+that registers the ``kernel_lib_cuda::`` operators when loaded. The build folder's name is a hash of the sources,
+torch's version and the target architecture, under ``~/.cache/kernel_lib/cuda`` (``KERNEL_LIB_CUDA_CACHE``
+overrides it): a second process, or a second notebook run, finds the library and loads it without compiling
+(ninja sees nothing to do).
 
 Architecture: the device's own, ``sm_XY``. Thread-block clusters and distributed shared memory, which the
 wide-row kernels use on Hopper, are part of ``sm_90``; the ``sm_90a`` target (wgmma, setmaxnreg) would tie the
@@ -61,7 +63,7 @@ def load(verbose: bool = False) -> BuildInfo:
             raise RuntimeError("kernel_lib.cuda builds with ninja: pip install ninja (or your system's package)")
     with_cuda = _can_build_cuda()
     arch = _cuda_arch() if with_cuda else ""
-    sources = [CSRC / "ops.cpp"] + ([CSRC / "kernels.cu"] if with_cuda else [])
+    sources = [CSRC / "ops.cpp"] + (sorted(CSRC.glob("*.cu")) if with_cuda else [])
     # No -std: cpp_extension passes the standard this torch was built with (C++20 from torch 2.10, C++17 before);
     # headers compiled under another standard than libtorch's can disagree with it on inline code.
     cflags = ["-O3"] + (["-DKL_WITH_CUDA"] if with_cuda else [])

@@ -1,4 +1,5 @@
-// kernel_lib_cuda: the CUDA kernels of RMSNorm and row softmax (kernels.cu), called by the operators in ops.cpp.
+// kernel_lib_cuda: the CUDA kernels of RMSNorm (rms_norm.cu) and row softmax (softmax.cu), called by the operators in
+// ops.cpp.
 #pragma once
 #include <ATen/ATen.h>
 

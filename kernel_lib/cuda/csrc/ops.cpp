@@ -1,7 +1,7 @@
 // kernel_lib_cuda: RMSNorm and row softmax as PyTorch operators, with a CPU implementation in plain C++.
 //
 // The schemas (TORCH_LIBRARY) are what torch.compile, torch.library.opcheck and autograd see; the CUDA kernels live
-// in kernels.cu (the ladder of notebook 05a) and are compiled in only when the extension is built with CUDA
+// in rms_norm.cu and softmax.cu (the ladder of notebook 05a) and are compiled in only when the extension is built with CUDA
 // (KL_WITH_CUDA). The CPU implementation computes the same formulas in float32, one row at a time, so the op, its
 // registration and its gradients are tested on a machine without a GPU.
 //
