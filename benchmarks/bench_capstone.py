@@ -84,7 +84,7 @@ from kernel_lib.models import (  # noqa: E402
     train_val_split,
     transfer_weights,
 )
-from kernel_lib.models.capstone import (  # noqa: E402
+from kernel_lib.bench.capstone import (  # noqa: E402
     REFERENCE,
     RERUNS,
     SIZES,

@@ -47,7 +47,7 @@ import torch
 from kernel_lib import bench
 from kernel_lib import distributed as kd
 from kernel_lib.models import GPT, GPTConfig, batches, encode_corpus, to_hf_llama, train_tokenizer
-from kernel_lib.models.capstone import SIZES, datasheet_tflops
+from kernel_lib.bench.capstone import SIZES, datasheet_tflops
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -55,7 +55,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--strategy", choices=kd.STRATEGIES, default="fsdp2")
-    p.add_argument("--model", choices=list(SIZES), default="1b", help="sizes: kernel_lib.models.capstone.SIZES")
+    p.add_argument("--model", choices=list(SIZES), default="1b", help="sizes: kernel_lib.bench.capstone.SIZES")
     p.add_argument("--impl", choices=["kernel_lib", "native", "hf"], default="kernel_lib")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")

@@ -8,7 +8,7 @@ their public functions and modules are re-exported here, so ``kernel_lib.rms_nor
 * :mod:`kernel_lib.bench`: timing with CUDA events, host and CUDA-graph time, measured ceilings, CSV rows, plots;
 * :mod:`kernel_lib.validate`: the float64 comparison rule every kernel passes.
 
-Imported on demand (each needs more than torch and triton, or builds something): :mod:`kernel_lib.validation`
+Imported on demand (each needs more than torch and triton, or builds something): :mod:`kernel_lib.equivalence`
 (a component or model against its original, outputs and gradients), :mod:`kernel_lib.assistant` (find, fix and
 prove optimizations on a model), :mod:`kernel_lib.search` (Monte Carlo graph search over kernel variants),
 :mod:`kernel_lib.models` (the course's GPT at each level, small models written the common way, the capstone's

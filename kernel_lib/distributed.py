@@ -34,7 +34,7 @@ parameters, gradients and optimizer states (``memory_model``).
 Model FLOPs utilization (MFU): model FLOPs per token (``GPT.flops_per_token``: 6 x the parameters each token is
 multiplied by, embedding excluded, plus the attention's 12 L d T) times tokens/s per GPU, over a ceiling: the bf16
 matmul throughput measured in the same run (``kernel_lib.bench.matmul_tflops``) and the datasheet's
-(``kernel_lib.models.capstone.datasheet_tflops``), both reported.
+(``kernel_lib.bench.capstone.datasheet_tflops``), both reported.
 
 Sources: PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) and DDP documentation; torchtitan
 (``parallelize_llama``: checkpoint, compile, then shard each block); Rajbhandari et al., "ZeRO" (2020) for the

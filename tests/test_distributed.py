@@ -14,7 +14,7 @@ from torch import nn
 
 from kernel_lib import distributed as kd
 from kernel_lib.models import GPT, GPTConfig
-from kernel_lib.models.capstone import SIZES
+from kernel_lib.bench.capstone import SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_distributed.py"

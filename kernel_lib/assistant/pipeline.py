@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..validation import ComponentValidator, ValidationReport
+from ..equivalence import ComponentValidator, ValidationReport
 from . import detect, dynamo, measure, rewrites, source
 from . import trace as tracing
 from .findings import KINDS, Finding

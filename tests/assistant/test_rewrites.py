@@ -9,8 +9,8 @@ import torch
 from kernel_lib import ops
 from kernel_lib.assistant import detect, rewrites, source
 from kernel_lib.assistant import trace as tracing
+from kernel_lib.equivalence import ComponentValidator
 from kernel_lib.models import GPT, GPTConfig
-from kernel_lib.validation import ComponentValidator
 from tests._checks import saved_storages
 from tests.assistant.models import (
     GatedMLP,

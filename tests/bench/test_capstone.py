@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernel_lib.models import GPTConfig
-from kernel_lib.models.capstone import (
+from kernel_lib.bench.capstone import (
     KERNEL_FAMILIES,
     REFERENCE,
     SIZES,

@@ -1,4 +1,4 @@
-"""kernel_lib.validation: whole components against their original, outputs and gradients, on the CPU.
+"""kernel_lib.equivalence: whole components against their original, outputs and gradients, on the CPU.
 
 Every module here is small (a few thousand parameters), so the file runs in seconds on a laptop. A test that
 expects a failure also names the check that must fail, and where it matters one that must still pass: a bug in
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernel_lib import validation
-from kernel_lib.validation import ComponentValidator, ValidationReport, ValidationResult
+from kernel_lib import equivalence
+from kernel_lib.equivalence import ComponentValidator, ValidationReport, ValidationResult
 
 
 def by_name(report: ValidationReport) -> dict[str, ValidationResult]:
@@ -439,7 +439,7 @@ def test_reference_falls_back_to_float32_when_float64_fails():
 
 
 def test_reference_falls_back_to_float32_when_float64_would_not_fit(monkeypatch):
-    monkeypatch.setattr(validation, "_free_bytes", lambda device: 1000)  # as if a GPU had 1 kB free
+    monkeypatch.setattr(equivalence, "_free_bytes", lambda device: 1000)  # as if a GPU had 1 kB free
     original = Affine()
     report = ComponentValidator().validate_model(copy.deepcopy(original), original, torch.randn(6, 24))
     assert all(r.reference_dtype == "float32" for r in report if r.kind == "output")
@@ -576,3 +576,11 @@ def test_outputs_in_shared_memory_are_copied_before_the_next_run():
     fine = SharedOut()
     fine.load_state_dict(base.state_dict())
     assert ComponentValidator().validate_model(fine, base, (torch.randn(8, 24),)).passed
+
+
+def test_the_former_module_name_still_imports():
+    # kernel_lib.validation was this module's name: code written against it gets the same objects
+    from kernel_lib import validation
+
+    assert validation.ComponentValidator is ComponentValidator
+    assert validation.ValidationReport is ValidationReport and validation.ValidationResult is ValidationResult
