@@ -45,15 +45,21 @@ def check_case(B, Hq, Hkv, N, M, D, Dv, causal, window, dtype, device):
     check_forward_backward(kernel, reference, [q, k, v], atol=ATOL[dtype], baseline=baseline, name=f"out {N}x{M}")
 
 
-# Four groups of head dims, each on one worker under --dist loadgroup: a group shares its compiled kernels.
-SPREAD_HEAD_DIMS = [pytest.param(D, marks=pytest.mark.xdist_group(f"attention-grid-{i % 4}")) for i, D in
-                    enumerate(HEAD_DIMS)]  # fmt: skip
+def over_the_grid(group: str):
+    """The grid's parametrization, for the fixed-length and the packed tests alike: every head dim (spread over four
+    xdist groups named after ``group``, each on one worker under --dist loadgroup, sharing its compiled kernels),
+    fp16 and bf16, the three masks; GPU only."""
+
+    def wrap(test):
+        spread = [pytest.param(D, marks=pytest.mark.xdist_group(f"{group}-{i % 4}")) for i, D in enumerate(HEAD_DIMS)]
+        test = pytest.mark.parametrize("D", spread)(test)
+        test = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])(test)
+        return pytest.mark.gpu(pytest.mark.parametrize("mask", MASKS)(test))
+
+    return wrap
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("D", SPREAD_HEAD_DIMS)
+@over_the_grid("attention-grid")
 def test_flash_attention_grid(D, dtype, mask):
     causal, window = MASKS[mask]
     for i, (N, M) in enumerate(SEQLEN_PAIRS):

@@ -16,6 +16,7 @@ from kernel_lib.ops.attention import (
     flash_attention_varlen,
 )
 from tests._checks import check_forward_backward
+from tests.test_attention_grid import ATOL, LAYOUTS, MASKS, SEQLEN_PAIRS, over_the_grid
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -173,19 +174,10 @@ def test_module_with_packed_documents(device):
 
 # On the GPU: FlashAttention's varlen grid (its test_flash_attn_varlen_output): every head dim, both dtypes, the
 # three masks, random lengths up to every other length pair of the fixed-length grid, three documents a batch.
-GRID_HEAD_DIMS = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
-GRID_PAIRS = [(113, 203), (113, 211), (256, 512), (1024, 1024), (1024, 1023)]
-LAYOUTS = [(4, 4), (4, 1), (4, 2)]
-MASKS = {"none": (False, None), "causal": (True, None), "window": (True, 77)}
-ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
-SPREAD_HEAD_DIMS = [pytest.param(D, marks=pytest.mark.xdist_group(f"attention-varlen-grid-{i % 4}")) for i, D in
-                    enumerate(GRID_HEAD_DIMS)]  # fmt: skip
+GRID_PAIRS = SEQLEN_PAIRS[::2]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("D", SPREAD_HEAD_DIMS)
+@over_the_grid("attention-varlen-grid")
 def test_flash_attention_varlen_grid(D, dtype, mask):
     causal, window = MASKS[mask]
     gen = torch.Generator().manual_seed(D)

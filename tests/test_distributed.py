@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from kernel_lib import distributed as kd
-from kernel_lib.models import GPT, GPTConfig
 from kernel_lib.bench.capstone import SIZES
+from kernel_lib.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_distributed.py"

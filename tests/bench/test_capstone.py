@@ -10,7 +10,6 @@ import csv
 import pytest
 import torch
 
-from kernel_lib.models import GPTConfig
 from kernel_lib.bench.capstone import (
     KERNEL_FAMILIES,
     REFERENCE,
@@ -23,6 +22,7 @@ from kernel_lib.bench.capstone import (
     reround,
     rerun_name,
 )
+from kernel_lib.models import GPTConfig
 from tests._checks import load_script
 
 
