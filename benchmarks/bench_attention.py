@@ -223,6 +223,8 @@ def main() -> int:
     if args.impls:
         impls = {name: fn for name, fn in impls.items() if name in args.impls.split(",")}
     rows = []
+    if "packed" in sections:
+        packed_documents(rows, fa4)
     if "sweep" in sections:
         lengths = [int(n) for n in args.lengths.split(",")]
         head_dims = [int(d) for d in args.head_dims.split(",")]
@@ -231,8 +233,6 @@ def main() -> int:
     if "head-dims" in sections:
         fixed_length(rows, impls, [(4096, D, Dv, causal, None) for D, Dv in ((80, 80), (96, 96), (192, 128),
                                    (256, 256)) for causal in (False, True)])  # fmt: skip
-    if "packed" in sections:
-        packed_documents(rows, fa4)
     # Peak memory of forward + backward: kernel_lib against the eager reference that stores N x N scores.
     for N in (1024, 2048, 4096, 8192) if "memory" in sections else ():
         q, k, v = (
