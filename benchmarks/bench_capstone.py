@@ -71,19 +71,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import: kernels run on the CPU
 
 from kernel_lib import bench  # noqa: E402
-from kernel_lib.models import (  # noqa: E402
-    GPT,
-    GPTConfig,
-    GraphedDecoder,
-    encode_corpus,
-    fixed_batch,
-    greedy,
-    stdlib_files,
-    to_hf_llama,
-    train_tokenizer,
-    train_val_split,
-    transfer_weights,
-)
 from kernel_lib.bench.capstone import (  # noqa: E402
     REFERENCE,
     RERUNS,
@@ -106,6 +93,19 @@ from kernel_lib.bench.capstone import (  # noqa: E402
     release,
     step_cost,
     train_step,
+)
+from kernel_lib.models import (  # noqa: E402
+    GPT,
+    GPTConfig,
+    GraphedDecoder,
+    encode_corpus,
+    fixed_batch,
+    greedy,
+    stdlib_files,
+    to_hf_llama,
+    train_tokenizer,
+    train_val_split,
+    transfer_weights,
 )
 
 # --------------------------------------------------------------------------------------------------

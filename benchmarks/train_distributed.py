@@ -46,8 +46,8 @@ import torch
 
 from kernel_lib import bench
 from kernel_lib import distributed as kd
-from kernel_lib.models import GPT, GPTConfig, batches, encode_corpus, to_hf_llama, train_tokenizer
 from kernel_lib.bench.capstone import SIZES, datasheet_tflops
+from kernel_lib.models import GPT, GPTConfig, batches, encode_corpus, to_hf_llama, train_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
