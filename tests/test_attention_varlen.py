@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_lib.ops import attention as attention_module
 from kernel_lib.ops.attention import (
     MultiHeadAttention,
     _visible,
@@ -132,6 +133,20 @@ def test_bad_offsets_are_named(cu_q, max_q, words):
     cu_k = torch.tensor([0, *[5] * (len(cu_q) - 2), 10], dtype=torch.int32) if cu_q else cu  # valid keys
     with pytest.raises(ValueError, match=words):
         flash_attention_varlen(q, q, q, cu, cu_k, max_q, 10)
+
+
+def test_offsets_are_read_once_per_tensor(monkeypatch):
+    # the layers of a model share one cu_seqlens: only the first call copies it to the host (a wait for the GPU)
+    reads = []
+    read = attention_module._host_offsets
+    monkeypatch.setattr(attention_module, "_host_offsets", lambda cu: reads.append(1) or read(cu))
+    q = torch.randn(10, 2, 32).half()
+    cu = offsets([4, 6], "cpu")
+    for _ in range(3):
+        flash_attention_varlen(q, q, q, cu, cu, 6, 6)
+    assert len(reads) == 1
+    flash_attention_varlen(q, q, q, cu.clone(), cu, 6, 6)  # another tensor with the same values: read
+    assert len(reads) == 2
 
 
 def test_offsets_are_read_again_after_an_in_place_change():

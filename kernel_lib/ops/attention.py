@@ -425,6 +425,11 @@ def flash_attention(
 _checked_offsets: dict[int, tuple] = {}
 
 
+def _host_offsets(cu: torch.Tensor) -> list:
+    """The offsets as Python ints: a copy to the host, which waits for the GPU."""
+    return cu.tolist()
+
+
 def _check_offsets(cu: torch.Tensor, name: str, total: int, max_seqlen: int, device) -> None:
     """cu_seqlens: int32 on q's device, (B + 1,), from 0 up to ``total`` without decreasing, no sequence longer
     than ``max_seqlen``. The values are read on the host (one small copy, which waits for the GPU) the first time
@@ -438,9 +443,9 @@ def _check_offsets(cu: torch.Tensor, name: str, total: int, max_seqlen: int, dev
     if torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     seen = _checked_offsets.get(id(cu))
-    if seen is not None and seen[0]() is cu and seen[1:] == (cu._version, total) and seen[3] <= max_seqlen:
+    if seen is not None and seen[0]() is cu and seen[1:3] == (cu._version, total) and seen[3] <= max_seqlen:
         return
-    offsets = cu.tolist()
+    offsets = _host_offsets(cu)
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
     lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
