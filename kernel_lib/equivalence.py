@@ -378,6 +378,8 @@ class ComponentValidator:
         return results
 
     def _compare_output(self, name, o, r, b) -> list[ValidationResult]:
+        if isinstance(o, _LeftOut) and isinstance(b, _LeftOut):
+            return [ValidationResult(name, b.why, True, kind="info")]
         if not isinstance(o, torch.Tensor) or not isinstance(b, torch.Tensor):
             if isinstance(o, float) and isinstance(b, float) and isinstance(r, float):
                 t = lambda v: torch.tensor(v, dtype=torch.float64)
@@ -579,11 +581,29 @@ def _prepare(obj, dtype, name, floats: list):
     return obj
 
 
+@dataclass(frozen=True)
+class _LeftOut:
+    """An output that is not a result, with why it is not compared."""
+
+    why: str
+
+
+def _is_kv_cache(obj) -> bool:
+    """A Hugging Face key/value cache (``past_key_values``: a ``transformers`` Cache object)."""
+    return type(obj).__module__.startswith("transformers") and callable(getattr(obj, "get_seq_length", None))
+
+
 def _flatten(obj, name="output", out=None) -> dict[str, Any]:
-    """Named leaves of a tensor, tuple/list/namedtuple, dict (Hugging Face ModelOutput), to_tuple(), dataclass."""
+    """Named leaves of a tensor, tuple/list/namedtuple, dict (Hugging Face ModelOutput), to_tuple(), dataclass. A
+    Hugging Face key/value cache is state kept for the next call, not a result: left out, and said so."""
     out = {} if out is None else out
     if isinstance(obj, torch.Tensor):
         out[name] = obj
+    elif _is_kv_cache(obj):
+        out[name] = _LeftOut(
+            "not compared: a key/value cache kept for the next call (a Hugging Face Cache), not a result; "
+            "its keys and values are the attention inputs the outputs already depend on"
+        )
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
             _flatten(v, f"{name}.{k}", out)

@@ -584,3 +584,21 @@ def test_the_former_module_name_still_imports():
 
     assert validation.ComponentValidator is ComponentValidator
     assert validation.ValidationReport is ValidationReport and validation.ValidationResult is ValidationResult
+
+
+def test_a_hugging_face_cache_is_left_out_and_said_so():
+    # A causal LM called without labels returns its key/value cache beside the logits (transformers 5 names it
+    # "cache", 4 "past_key_values"): state for the next call, not a result. It must not fail the comparison; the
+    # report says it was left out, and why.
+    pytest.importorskip("transformers")
+    from kernel_lib.models.zoo import hf_llama
+
+    torch.manual_seed(0)
+    model = hf_llama(tiny=True).eval()
+    inputs = {"input_ids": torch.randint(0, 4096, (2, 16))}
+    assert any(type(v).__name__.endswith("Cache") for v in model(**inputs).values())  # the case this test is about
+    report = ComponentValidator().validate_model(copy.deepcopy(model), model, inputs)
+    assert report.passed, report.summary()
+    left_out = [r for r in report if r.kind == "info" and "key/value cache" in r.description]
+    assert len(left_out) == 1 and left_out[0].name in ("output.cache", "output.past_key_values")
+    assert any(r.name == "output.logits" and r.kind == "output" and r.passed for r in report)

@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     import torch
 
+    if not torch.cuda.is_available() and any(spec.kind != "cuda" for spec in specs):
+        print("No CUDA GPU: the workers run the kernels under Triton's interpreter (TRITON_INTERPRET=1) at the specs' "
+              "small_sizes. Correctness is checked as on a GPU; the times are not a GPU's.")  # fmt: skip
     for spec in specs:
         if spec.kind == "cuda" and not torch.cuda.is_available():
             print(f"{spec.name}: skipped: a CUDA C++ kernel needs a CUDA GPU (and CuPy); this machine has none")
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(
             f"{spec.name}: best {result.best_id} {result.best_ms:.4g} ms, {result.speedup:.2f}x the baseline "
-            f"({result.baseline_ms:.4g} ms); trace {result.trace_path}"
+            f"({result.baseline_ms:.4g} ms){' under the interpreter: not a GPU speed-up' if result.interpreted else ''}"
+            f"; trace {result.trace_path}"
         )
     return status
 

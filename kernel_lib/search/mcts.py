@@ -44,6 +44,13 @@ from .variant import Variant
 LLM_PRIOR_SHARE = 0.5  # a language-model action starts at half the prior of its move's rule actions
 
 
+# Said wherever a CPU run reports times: the interpreter checks correctness and exercises the search, nothing more.
+INTERPRETED_TIMES = (
+    "Timed under Triton's interpreter on a CPU: the search checked every variant's correctness, but these times and "
+    "speed-ups say nothing about a GPU."
+)
+
+
 @dataclass
 class Settings:
     budget: int = 50  # finished evaluations, the baseline included
@@ -318,6 +325,7 @@ class Search:
         self.store.set_best(root.id, baseline=True)
         self.store.trace(
             f"# Search: {self.spec.name}\n\nBaseline `{root.id}`: {result['ms']:.4g} ms on {result.get('device')}.\n"
+            + (f"\n**{INTERPRETED_TIMES}**\n" if result.get("device") == "cpu" else "")
         )
         self._profile(root.id, baseline=True)
         self._offer_actions(root.id)
@@ -552,6 +560,11 @@ class SearchResult:
         return self.baseline_ms / self.best_ms
 
     @property
+    def interpreted(self) -> bool:
+        """True when the baseline ran on a CPU, under Triton's interpreter: its times say nothing about a GPU."""
+        return any(e["type"] == "baseline" and e.get("device") == "cpu" for e in self.events)
+
+    @property
     def trace_path(self) -> str:
         return os.path.join(self.folder, "trace.md")
 
@@ -593,6 +606,8 @@ class SearchResult:
             f"{sum(e['type'] in ('baseline', 'evaluated') for e in self.events)} evaluations; "
             f"files in <code>{self.folder}</code></p>"
         )
+        if self.interpreted:
+            head += f"<p><b>{INTERPRETED_TIMES}</b></p>"
         return head + self.to_dataframe().to_html(index=False, float_format=lambda x: f"{x:.4g}")
 
 

@@ -63,6 +63,8 @@ class _Slot:
         """Start the worker process and wait for its 'ready'; return "" or why it did not start."""
         env = dict(os.environ)
         env["KERNEL_SEARCH_PARENT_PID"] = str(os.getpid())
+        if self.device == "cpu":  # no GPU: Triton has no driver to launch on, only its interpreter
+            env["TRITON_INTERPRET"] = "1"
         log = open(self.log_path, "a")  # noqa: SIM115 - the child owns it for its lifetime
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kernel_lib.search.worker", "--serve"],

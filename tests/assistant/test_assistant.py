@@ -180,10 +180,12 @@ def test_validate_optimization_reports_errors_speed_and_memory():
 def _hf(name):
     transformers = pytest.importorskip("transformers")
     idx = torch.randint(0, 512, (2, 16))
-    if name == "llama":
+    if name.startswith("llama"):
         from kernel_lib.models.zoo import hf_llama
 
-        return hf_llama(tiny=True), {"input_ids": idx, "labels": idx}
+        # without labels the model returns its key/value cache beside the logits: validation must leave it out
+        inputs = {"input_ids": idx} if name == "llama without labels" else {"input_ids": idx, "labels": idx}
+        return hf_llama(tiny=True), inputs
     if name == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=64)
         return transformers.GPT2LMHeadModel(cfg), {"input_ids": idx, "labels": idx}
@@ -203,6 +205,7 @@ def _hf(name):
     "name, expected",
     [
         ("llama", {"manual_norm", "unfused_activation", "separate_qkv"}),  # LlamaRMSNorm, LlamaMLP, q/k/v_proj
+        ("llama without labels", {"manual_norm", "unfused_activation", "separate_qkv"}),
         ("gpt2", {"not_compiled"}),  # already SDPA, LayerNorm, a fused c_attn; vocabulary below LARGE_VOCAB
         ("vit", {"separate_qkv"}),  # query, key, value Linear modules
     ],

@@ -24,10 +24,10 @@ FLAGS = [
 ]  # fmt: skip
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kernel_lib.search", *args],
-        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=timeout,
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ) if env is None else env, timeout=timeout,
     )  # fmt: skip
 
 
@@ -113,7 +113,9 @@ def specs_run(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("the CPU run (interpreter, small sizes); on a GPU the full sizes are notebook 07's")
     out = tmp_path_factory.mktemp("cli") / "out"
-    done = cli("--input", "specs/", "--outdir", str(out), "--no-llm", "--budget", "8", "--no-progress")
+    # the README's command as a user types it: TRITON_INTERPRET not set (the CLI turns the interpreter on itself)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = cli("--input", "specs/", "--outdir", str(out), "--no-llm", "--budget", "8", "--no-progress", env=env)
     return out, done
 
 
@@ -121,9 +123,12 @@ def test_a_run_over_the_specs_folder_succeeds(specs_run):
     out, done = specs_run
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
+    assert done.stdout.count("No CUDA GPU: the workers run the kernels under Triton's interpreter") == 1  # said once
     for spec in find_specs(ROOT / "specs"):
         if spec.kind == "triton":
             assert f"{spec.name}: best " in done.stdout
+            line = next(line for line in done.stdout.splitlines() if line.startswith(f"{spec.name}: best "))
+            assert "under the interpreter: not a GPU speed-up" in line  # a CPU time is never reported as a speed-up
         else:
             assert f"{spec.name}: skipped" in done.stdout  # a CUDA C++ spec needs a GPU: said, not an error
 
@@ -160,6 +165,7 @@ def test_a_run_leaves_every_file_kernel_search_md_lists(specs_run, name):
     assert [e["type"] for e in events].count("evaluated") == 7 and events[-1]["type"] == "finished"
     trace = (root / "trace.md").read_text()
     assert trace.startswith(f"# Search: {name}") and "Finished" in trace
+    assert "say nothing about a GPU" in trace
     assert (root / "spec.json").is_file() and (root / "workers" / "worker-0.log").is_file()
 
 

@@ -130,3 +130,16 @@ def test_random_odds_match_a_count_of_draws():
 def test_load_state_takes_the_folder_or_the_file(run):
     by_folder = report.load_state(run.folder)
     assert by_folder == json.loads((Path(run.folder) / "search_state.json").read_text())
+
+
+def test_a_cpu_run_says_its_times_are_the_interpreter_s():
+    # under the interpreter the search checks correctness; its times are no GPU speed-up, and the result says so
+    from kernel_lib.search.mcts import INTERPRETED_TIMES, SearchResult
+
+    def result(device):
+        events = [{"type": "baseline", "id": "b", "ms": 2.0, "device": device},
+                  {"type": "evaluated", "id": "v", "ms": 1.0, "status": "ok", "key": "num_warps=8"}]  # fmt: skip
+        return SearchResult("rms_norm", "out/kernels/rms_norm", 2.0, "v", 1.0, events)
+
+    assert result("cpu").interpreted and INTERPRETED_TIMES in result("cpu")._repr_html_()
+    assert not result("cuda:0").interpreted and INTERPRETED_TIMES not in result("cuda:0")._repr_html_()
