@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import io
 import os
+import sys
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -89,11 +90,25 @@ class Case:
 
 
 def _reference_fn(spec: KernelSpec):
+    """The reference function: from an installed module, else from a module in the reference's search_path (by
+    default the spec's folder)."""
     module_name, _, fn_name = spec.reference.function.rpartition(".")
+    folder = spec.reference.search_path or (os.path.dirname(spec.path) if spec.path else None)
+    if folder is not None and spec.path is not None:
+        folder = spec.resolve(folder)
     try:
-        return getattr(importlib.import_module(module_name), fn_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            if folder is None or not os.path.isdir(folder):
+                raise
+            if folder not in sys.path:
+                sys.path.append(folder)  # after the installed packages: a module beside the spec never shadows them
+            module = importlib.import_module(module_name)
+        return getattr(module, fn_name)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"reference {spec.reference.function!r} cannot be imported: {exc}") from None
+        where = f" (looked in the installed packages and in {folder})" if folder else ""
+        raise ValueError(f"reference {spec.reference.function!r} cannot be imported{where}: {exc}") from None
 
 
 def _as_tuple(result) -> tuple:

@@ -101,6 +101,9 @@ class Search:
         data = self.spec.model_dump(exclude_none=True)
         data.pop("source_path", None)
         data["source"] = self.spec.source_text()
+        if self.spec.path is not None:  # the reference's module may sit beside the spec, not beside this copy
+            folder = self.spec.reference.search_path or os.path.dirname(self.spec.path)
+            data["reference"]["search_path"] = self.spec.resolve(folder)
         for t in data["inputs"]:
             if t.get("file"):
                 t["file"] = self.spec.resolve(t["file"])

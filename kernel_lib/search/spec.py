@@ -16,6 +16,7 @@ A spec is one JSON file (schema below, validated on load by pydantic; a bad fiel
       "tunable": {"BLOCK_N": [64, 4096], "num_warps": [1, 16]},   # bounds of change_block_sizes (powers of two)
       "tails": {"BLOCK_N": "N"},               # which size each block tiles: pad_tail_and_mask's EVEN_TAIL
       "reference": {"function": "kernel_lib.ops.norms.rms_norm_ref", "args": ["x", "w", "eps"]},
+                                               # or "my_ref.rms_norm_ref" with my_ref.py beside the spec
       "bytes": "2 * M * N * 2", "flops": null  # for GB/s and TFLOP/s in the results (optional)
     }
 
@@ -194,7 +195,10 @@ class Reference(_Model):
     """A PyTorch function from inputs to outputs, run in float64 (the truth) and in the inputs' dtype (the
     low-precision baseline of the tolerance rule)."""
 
-    function: str  # dotted path: package.module.function
+    function: str  # dotted path: package.module.function (an installed module, or one in search_path)
+    # a folder to import the function's module from when it is not installed: default the spec's own folder, so a
+    # reference module beside the spec needs no PYTHONPATH (the run folder's spec.json records it, absolute)
+    search_path: str | None = None
     args: list[str] | None = None  # names of inputs/scalars/sizes passed positionally; default: the inputs
     kwargs: dict[str, str] = Field(default_factory=dict)  # parameter -> name of an input/scalar/size
     tolerance: Tolerance = Field(default_factory=Tolerance)

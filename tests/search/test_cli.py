@@ -188,3 +188,22 @@ def test_resuming_a_finished_run_elsewhere_evaluates_nothing(specs_run, capsys, 
     events = [json.loads(line) for line in (tmp_path / "kernels" / "softmax" / "events.jsonl").read_text().splitlines()]
     assert [e["type"] for e in events].count("evaluated") == 7
     assert [e["type"] for e in events][-3:] == ["finished", "resumed", "finished"]
+
+
+def test_a_reference_beside_the_spec_needs_no_pythonpath(tmp_path):
+    # a user's spec folder: the kernel, the spec and the float64 reference side by side, nothing installed
+    folder = tmp_path / "my_kernels"
+    folder.mkdir()
+    data = json.loads((ROOT / "specs" / "rms_norm.json").read_text())
+    shutil.copy(ROOT / "specs" / data["source_path"], folder / data["source_path"])
+    reference = "from kernel_lib.ops.norms import rms_norm_ref\n\n\ndef my_rms_norm(x, w, eps):\n"
+    (folder / "my_reference.py").write_text(reference + "    return rms_norm_ref(x, w, eps)\n")
+    data["reference"]["function"] = "my_reference.my_rms_norm"
+    (folder / "spec.json").write_text(json.dumps(data))
+    assert not any("my_kernels" in p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    done = cli("--input", str(folder / "spec.json"), "--outdir", str(tmp_path / "out"), "--no-llm", "--budget", "1",
+               "--no-progress")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rms_norm: best " in done.stdout
+    run_spec = json.loads((tmp_path / "out" / "kernels" / "rms_norm" / "spec.json").read_text())
+    assert run_spec["reference"]["search_path"] == str(folder)  # the run folder's copy still finds it
