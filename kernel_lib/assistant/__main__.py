@@ -94,7 +94,15 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = factory().to(device=device, dtype=DTYPES[args.dtype])
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        print(f"error: {args.model} returned {type(model).__name__}, not a torch.nn.Module", file=sys.stderr)
+        return 2
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and not args.labels:
+        print(f"error: {type(model).__name__} is an encoder-decoder model: its decoder reads labels, pass --labels",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    model = model.to(device=device, dtype=DTYPES[args.dtype])
     inputs = make_inputs(model, shape, DTYPES[args.dtype], args.vocab, args.labels, device)
 
     from .pipeline import CompilerOptimizationAssistant

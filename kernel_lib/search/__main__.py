@@ -72,10 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--input is required (a spec file or a folder of specs)")
     from .spec import SpecError, find_specs
 
+    bad: list[str] = []
     try:
-        specs = find_specs(args.input)
+        specs = find_specs(args.input, errors=bad)
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for message in bad:  # a folder's bad specs are said and skipped; the good ones run
+        print(f"error: {message}", file=sys.stderr)
+    if not specs:
         return 2
     try:
         gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except LLMUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    status = 0
+    status = 1 if bad else 0
     import torch
 
     if not torch.cuda.is_available() and any(spec.kind != "cuda" for spec in specs):
@@ -107,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                 min_pred_gain=args.min_pred_gain, ncu_every=args.ncu_every, **({"small": True} if args.small else {}),
             )  # fmt: skip
         except (RuntimeError, FileExistsError, SpecError) as exc:
-            print(f"{spec.name}: {exc}", file=sys.stderr)
+            message = str(exc)  # the kernel's name once: some messages start with it already
+            print(message if message.startswith(f"{spec.name}: ") else f"{spec.name}: {message}", file=sys.stderr)
             status = 1
             continue
         print(

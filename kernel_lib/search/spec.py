@@ -322,14 +322,23 @@ def load_spec(path: str | os.PathLike) -> KernelSpec:
     return parse_spec(data, path)
 
 
-def find_specs(path: str | os.PathLike) -> list[KernelSpec]:
-    """One spec file, or every ``*.json`` of a folder (sorted by name)."""
+def find_specs(path: str | os.PathLike, errors: list[str] | None = None) -> list[KernelSpec]:
+    """One spec file, or every ``*.json`` of a folder (sorted by name). With ``errors``, a folder's bad specs are
+    skipped and their messages appended there (the good ones still run); without it the first bad one raises."""
     path = Path(path)
     if path.is_dir():
         files = sorted(path.glob("*.json"))
         if not files:
             raise SpecError(f"{path}: no *.json spec files in this folder")
-        return [load_spec(f) for f in files]
+        specs = []
+        for f in files:
+            try:
+                specs.append(load_spec(f))
+            except SpecError as exc:
+                if errors is None:
+                    raise
+                errors.append(str(exc))
+        return specs
     if not path.exists():
         raise SpecError(f"{path}: no such file or folder")
     return [load_spec(path)]

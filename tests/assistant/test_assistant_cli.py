@@ -59,3 +59,26 @@ def test_gpt2_from_a_config(tmp_path):
 def test_bad_arguments_exit_2(args, message):
     out = run(*args)
     assert out.returncode == 2 and message in out.stderr
+
+
+MADE = {  # what make_model returns, and the words of the one error line
+    "a dict": ("return {'w': 1}", "returned dict, not a torch.nn.Module"),
+    "an encoder-decoder without labels": (
+        "from transformers import T5Config, T5ForConditionalGeneration\n"
+        "    return T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=1,"
+        " num_heads=4))",
+        "is an encoder-decoder model: its decoder reads labels, pass --labels",
+    ),
+}
+
+
+@pytest.mark.parametrize("made", MADE)
+def test_a_model_the_tool_cannot_run_is_named(tmp_path, made):
+    body, words = MADE[made]
+    if "transformers" in body:
+        pytest.importorskip("transformers")
+    file = tmp_path / "my_model.py"
+    file.write_text(f"def make_model():\n    {body}\n")
+    out = run(f"{file}:make_model", "--input-shape", "2,8", "--device", "cpu", timeout=300)
+    assert out.returncode == 2 and words in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr

@@ -207,3 +207,30 @@ def test_a_reference_beside_the_spec_needs_no_pythonpath(tmp_path):
     assert "rms_norm: best " in done.stdout
     run_spec = json.loads((tmp_path / "out" / "kernels" / "rms_norm" / "spec.json").read_text())
     assert run_spec["reference"]["search_path"] == str(folder)  # the run folder's copy still finds it
+
+
+def test_one_bad_spec_in_a_folder_does_not_stop_the_good_ones(tmp_path):
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    data = json.loads((ROOT / "specs" / "rms_norm.json").read_text())
+    shutil.copy(ROOT / "specs" / data["source_path"], folder / data["source_path"])
+    (folder / "a_broken.json").write_text('{"name": "broken", "kind": "triton",,}')
+    (folder / "rms_norm.json").write_text(json.dumps(data))
+    done = cli("--input", str(folder), "--outdir", str(tmp_path / "out"), "--no-llm", "--budget", "1", "--no-progress")
+    assert done.returncode == 1  # something failed: said, and the exit code says so
+    assert f"error: {folder / 'a_broken.json'}: not valid JSON" in done.stderr
+    assert "rms_norm: best " in done.stdout  # the good spec ran anyway
+
+
+def test_a_failing_baseline_names_the_kernel_once(tmp_path):
+    folder = tmp_path / "my_kernels"
+    folder.mkdir()
+    data = json.loads((ROOT / "specs" / "rms_norm.json").read_text())
+    shutil.copy(ROOT / "specs" / data["source_path"], folder / data["source_path"])
+    (folder / "broken_reference.py").write_text("def rms_norm(x, w, eps):\n    raise ValueError('not written yet')\n")
+    data["reference"]["function"] = "broken_reference.rms_norm"
+    (folder / "spec.json").write_text(json.dumps(data))
+    done = cli("--input", str(folder / "spec.json"), "--outdir", str(tmp_path / "out"), "--no-llm", "--budget", "1",
+               "--no-progress")  # fmt: skip
+    assert done.returncode == 1 and "rms_norm: the baseline fails" in done.stderr, done.stderr[-2000:]
+    assert "rms_norm: rms_norm:" not in done.stderr
