@@ -395,6 +395,9 @@ def host_syncs(trace: Trace) -> list[Finding]:
     for op in trace.ops:
         if op.name in HOST_SYNC_OPS:
             by_line.setdefault(op.location, []).append(op)
+    on_gpu = any(t.is_cuda for t in trace.tensors.values()) or any(p.is_cuda for p in trace.model.parameters())
+    # on a CPU nothing runs ahead of Python, so nothing waits: say what it would cost on a GPU
+    cost = "each waits for the GPU" if on_gpu else "each would wait for a GPU (on this CPU nothing waits)"
     out = []
     for location, ops in by_line.items():
         names = sorted({op.name.replace("float_", "float").replace("repr", "print") for op in ops})
@@ -403,12 +406,20 @@ def host_syncs(trace: Trace) -> list[Finding]:
             Finding(
                 kind="host_sync",
                 location=where(modules[0], location),
-                evidence=f"{len(ops)} call(s) of {', '.join(names)} per forward at this line; each waits for the GPU",
+                evidence=f"{len(ops)} call(s) of {', '.join(names)} per forward at this line; {cost}",
                 modules=modules,
                 count=len(ops),
             )
         )
     return out
+
+
+def _flop_text(flops: float) -> str:
+    """A FLOP count in the unit that shows it (a small model's matmuls are MFLOPs, not 0.00 GFLOP)."""
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:,.2f} {unit}"
+    return f"{flops:,.0f} FLOP"
 
 
 def fp32_compute(trace: Trace) -> list[Finding]:
@@ -427,7 +438,7 @@ def fp32_compute(trace: Trace) -> list[Finding]:
         Finding(
             kind="fp32_compute",
             location="(model)",
-            evidence=f"{share:.0%} of the forward's {flops['all'] / 1e9:,.2f} GFLOP of matmuls run in float32",
+            evidence=f"{share:.0%} of the forward's {_flop_text(flops['all'])} of matmuls run in float32",
             modules=[""],
             data={"share": share},
         )

@@ -148,9 +148,10 @@ class OptimizationResult:
                 lines.append(f"{'':<68}-> {o.note}")
         if self.waterfall:
             lines += ["", "combined, in order:"]
+            width = max(28, *(len(s.technique) for s in self.waterfall))  # long names keep the columns aligned
             for s in self.waterfall:
                 ms = "failed" if math.isnan(s.step_ms) else f"{s.step_ms:.3f} ms"
-                lines.append(f"  {s.technique:<28} {ms:>12}  {'kept' if s.kept else 'dropped: ' + s.reason}")
+                lines.append(f"  {s.technique:<{width}} {ms:>12}  {'kept' if s.kept else 'dropped: ' + s.reason}")
         lines += ["", self.verdict()]
         return "\n".join(lines)
 

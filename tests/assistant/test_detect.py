@@ -92,6 +92,17 @@ def test_graph_break_and_host_sync_with_source_line():
     sync = next(f for f in found if f.kind == "host_sync")
     assert "item" in brk.evidence.lower() and brk.location.startswith("(models.py:")
     assert sync.modules == ["inner"] and "item" in sync.evidence
+    if not torch.cuda.is_available():  # on a CPU nothing waits: the finding says what it would cost on a GPU
+        assert "each would wait for a GPU (on this CPU nothing waits)" in sync.evidence
+
+
+def test_a_small_model_s_float32_matmuls_are_counted_in_a_unit_that_shows_them():
+    # a small head's matmuls are a few MFLOP: "0.00 GFLOP" said nothing
+    assert detect._flop_text(3.2e6) == "3.20 MFLOP" and detect._flop_text(2.5e9) == "2.50 GFLOP"
+    assert detect._flop_text(640) == "640 FLOP"
+    found = findings_of(Wrap(ManualAttention(32, 4)), x3())
+    f = next(f for f in found if f.kind == "fp32_compute")
+    assert " 0.00 GFLOP" not in f.evidence and "FLOP of matmuls run in float32" in f.evidence
 
 
 def test_recompile_on_changing_python_state():
