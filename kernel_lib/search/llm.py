@@ -59,6 +59,7 @@ class Proposal:
     diff: str | None  # the reply's diff block, as written
     reply: str  # the raw reply text ("" when none came)
     error: str | None = None
+    unanswered: bool = False  # the endpoint itself failed (no reply: unreachable, HTTP error, timeout)
 
     @property
     def ok(self) -> bool:
@@ -363,7 +364,7 @@ class LLMClient:
         """Ask for ``move`` at ``variant``: a Proposal with the new source, or with the reason it failed."""
         text, error = self._ask(build_prompt(move, variant, spec, list(measurements or [])))
         if error:
-            return Proposal(None, None, None, text, error)
+            return Proposal(None, None, None, text, error, unanswered=True)
         named, diff, full = parse_reply(text)
         if named is None or named not in CANONICAL_MOVES:
             why = "reply names no canonical move" + (f" ({named!r} is not one)" if named else "")

@@ -42,6 +42,10 @@ from .store import RunStore
 from .variant import Variant
 
 LLM_PRIOR_SHARE = 0.5  # a language-model action starts at half the prior of its move's rule actions
+# With a language model configured, at least this share of the expansions asks it (where the walk finds one of its
+# actions untried): PUCT alone may never reach actions that start at half the prior. Trace: "language model, ...".
+LLM_MIN_SHARE = 0.25
+LLM_MAX_UNANSWERED = 3  # requests in a row the endpoint fails (no reply at all) before the run stops asking
 
 
 # Said wherever a CPU run reports times: the interpreter checks correctness and exercises the search, nothing more.
@@ -94,6 +98,9 @@ class Search:
         self.retry: list[tuple[str, int | None]] = []  # (node id, worker whose process died) to submit again
         self.retried: set[str] = set()  # node ids retried once already
         self.winner: dict | None = None  # after re-timing: {"id", "ms", "device"}
+        # expansions so far, those that asked the language model, its failed requests in a row, and whether it
+        # still gets asked (off after LLM_MAX_UNANSWERED requests in a row went unanswered)
+        self.llm_use = {"expansions": 0, "asked": 0, "unanswered_in_a_row": 0, "off": None}
 
     # ---------------------------------------------------------------- files
     def _write_spec(self) -> str:
@@ -164,6 +171,7 @@ class Search:
             "winner": self.winner,
             "bottleneck": self.bottleneck,
             "move_priors": self.move_priors,
+            "llm_use": self.llm_use,
             "pending": self.pending,
             "graph": self.graph.to_dict(),
         }
@@ -206,6 +214,15 @@ class Search:
             return None, edge.move
         measurements = self._measurements()
         proposal = self.llm.propose(edge.move, parent, self.spec, measurements)
+        self.llm_use["asked"] += 1
+        self.llm_use["unanswered_in_a_row"] = self.llm_use["unanswered_in_a_row"] + 1 if proposal.unanswered else 0
+        if self.llm_use["unanswered_in_a_row"] >= LLM_MAX_UNANSWERED and not self.llm_use["off"]:
+            self.llm_use["off"] = proposal.error
+            why = (f"the language model's endpoint failed {LLM_MAX_UNANSWERED} requests in a row (last: "
+                   f"{proposal.error}): no more requests in this run")  # fmt: skip
+            self._event("llm_off", reason=why)
+            self.store.trace(f"- **{why}**")
+            print(f"{self.spec.name}: {why}", file=sys.stderr)
         if proposal.error or proposal.source is None:
             edge.failed = proposal.error or "no source"
             self._event("expansion_failed", parent=parent_id, key=edge.key, reason=edge.failed)
@@ -223,12 +240,28 @@ class Search:
         return rows[-8:]
 
     # ---------------------------------------------------------------- the loop
+    def _llm_owed(self) -> bool:
+        """Whether the next expansion should ask the language model: configured, still asked, below its share."""
+        use = self.llm_use
+        return self.llm is not None and not use["off"] and use["asked"] < LLM_MIN_SHARE * (use["expansions"] + 1)
+
+    def _skipped(self, edge) -> bool:
+        """Untried edges the walk does not expand now: pruned ones; the language model's once it is off; the rule
+        moves' while the language model is owed its share."""
+        if edge.label == "llm" and self.llm_use["off"]:
+            return True
+        return self._pruned(edge) or (self._llm_owed() and edge.label != "llm")
+
     def _dispatch(self) -> bool:
         """Select and expand until one new variant is submitted; False when nothing is left to expand now."""
         while True:
-            path, edge = self.graph.select(set(self.pending), self._pruned)
+            path, edge = self.graph.select(set(self.pending), self._skipped)
             if edge is None:
                 return False
+            if edge.label == "llm" and self.llm_use["off"]:  # only reached when nothing else is left
+                edge.failed = "the language model is no longer asked in this run"
+                continue
+            self.llm_use["expansions"] += 1
             parent_id = path[-1]
             child, move = self._expand(parent_id, edge)
             if child is None:
@@ -391,6 +424,7 @@ class Search:
         self.pending = state["pending"]
         self.baseline_id, self.baseline_ms = base["id"], base["ms"]
         self.bottleneck, self.move_priors = state.get("bottleneck"), state["move_priors"]
+        self.llm_use = state.get("llm_use", self.llm_use)
         self.evaluations = state["evaluations"]
         self.last_seq = state["last_seq"]
         for e in events:

@@ -66,6 +66,45 @@ def check_nothing_lost(root: Path, budget: int) -> tuple[list[dict], dict]:
 
 
 # --------------------------------------------------------------------------------------------------
+# The language model's share of the expansions, and a run that stops asking an endpoint that never answers
+# --------------------------------------------------------------------------------------------------
+def test_a_configured_language_model_is_asked_its_share(endpoint, tmp_path):
+    """With rule moves at full prior and the model's actions at half, PUCT alone may never ask the model: a user who
+    configured one gets at least LLM_MIN_SHARE of the expansions sent to it, whatever the timings."""
+    from kernel_lib.search.mcts import LLM_MIN_SHARE
+
+    endpoint.requests.clear()
+    endpoint.replies.clear()
+    endpoint.reply = (200, "Nothing to propose.", 0.0)  # an answer naming no move: a failed expansion, not silence
+    client = LLMClient("test-model", base_url=endpoint.url, api_key="none", timeout=10.0)
+    settings = Settings(budget=6, devices=[DEVICE], timeout=60.0, small=True, warmup_ms=1, rep_ms=5, progress=False)
+    Search(load_spec(ROOT / "specs" / "rms_norm.json"), str(tmp_path), settings, llm=client).run()
+    state = json.loads((tmp_path / "kernels" / "rms_norm" / "search_state.json").read_text())
+    use = state["llm_use"]
+    assert use["asked"] == len(endpoint.requests) >= 2 and not use["off"]
+    assert use["asked"] >= LLM_MIN_SHARE * use["expansions"] - 1  # its share, give or take the one in progress
+    trace = (tmp_path / "kernels" / "rms_norm" / "trace.md").read_text()
+    assert trace.count("- language model, ") == use["asked"]  # each request visible in the trace
+
+
+def test_an_endpoint_that_never_answers_is_given_up_once(endpoint, tmp_path, capfd):
+    from kernel_lib.search.mcts import LLM_MAX_UNANSWERED
+
+    endpoint.requests.clear()
+    endpoint.replies.clear()
+    endpoint.reply = (503, "overloaded", 0.0)
+    client = LLMClient("test-model", base_url=endpoint.url, api_key="none", timeout=10.0)
+    settings = Settings(budget=4, devices=[DEVICE], timeout=60.0, small=True, warmup_ms=1, rep_ms=5, progress=False)
+    Search(tiny.spec(), str(tmp_path), settings, llm=client).run()  # the tiny spec has no rule move: only the model's
+    assert len(endpoint.requests) == LLM_MAX_UNANSWERED  # then no more requests
+    root = tmp_path / "kernels" / "double_rows"
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in events].count("llm_off") == 1
+    assert "HTTP 503" in next(e["reason"] for e in events if e["type"] == "llm_off")
+    assert capfd.readouterr().err.count("no more requests in this run") == 1  # said once
+
+
+# --------------------------------------------------------------------------------------------------
 # Bad variants from a language model, evaluated by two workers
 # --------------------------------------------------------------------------------------------------
 def test_bad_variants_from_a_language_model_never_become_the_incumbent(endpoint, tmp_path):
