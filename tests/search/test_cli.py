@@ -190,19 +190,34 @@ def test_resuming_a_finished_run_elsewhere_evaluates_nothing(specs_run, capsys, 
     assert [e["type"] for e in events][-3:] == ["finished", "resumed", "finished"]
 
 
-def test_a_reference_beside_the_spec_needs_no_pythonpath(tmp_path):
-    # a user's spec folder: the kernel, the spec and the float64 reference side by side, nothing installed
+def users_folder(tmp_path, reference: dict | None = None) -> tuple[Path, dict]:
+    """A user's spec folder: specs/rms_norm.json and its kernel copied there, and ``reference`` ({module file name:
+    its text, "function": dotted name}) written beside them; the folder and the spec as a dict."""
     folder = tmp_path / "my_kernels"
     folder.mkdir()
     data = json.loads((ROOT / "specs" / "rms_norm.json").read_text())
     shutil.copy(ROOT / "specs" / data["source_path"], folder / data["source_path"])
-    reference = "from kernel_lib.ops.norms import rms_norm_ref\n\n\ndef my_rms_norm(x, w, eps):\n"
-    (folder / "my_reference.py").write_text(reference + "    return rms_norm_ref(x, w, eps)\n")
-    data["reference"]["function"] = "my_reference.my_rms_norm"
-    (folder / "spec.json").write_text(json.dumps(data))
-    assert not any("my_kernels" in p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep))
-    done = cli("--input", str(folder / "spec.json"), "--outdir", str(tmp_path / "out"), "--no-llm", "--budget", "1",
+    for name, text in (reference or {}).items():
+        if name == "function":
+            data["reference"]["function"] = text
+        else:
+            (folder / name).write_text(text)
+    (folder / "rms_norm.json").write_text(json.dumps(data))
+    return folder, data
+
+
+def run_budget_1(spec_or_folder: Path, tmp_path) -> subprocess.CompletedProcess:
+    return cli("--input", str(spec_or_folder), "--outdir", str(tmp_path / "out"), "--no-llm", "--budget", "1",
                "--no-progress")  # fmt: skip
+
+
+def test_a_reference_beside_the_spec_needs_no_pythonpath(tmp_path):
+    # the kernel, the spec and the float64 reference side by side, nothing installed, no PYTHONPATH
+    reference = "from kernel_lib.ops.norms import rms_norm_ref\n\n\ndef my_rms_norm(x, w, eps):\n"
+    folder, _ = users_folder(tmp_path, {"my_reference.py": reference + "    return rms_norm_ref(x, w, eps)\n",
+                                        "function": "my_reference.my_rms_norm"})  # fmt: skip
+    assert not any("my_kernels" in p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    done = run_budget_1(folder / "rms_norm.json", tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "rms_norm: best " in done.stdout
     run_spec = json.loads((tmp_path / "out" / "kernels" / "rms_norm" / "spec.json").read_text())
@@ -210,27 +225,17 @@ def test_a_reference_beside_the_spec_needs_no_pythonpath(tmp_path):
 
 
 def test_one_bad_spec_in_a_folder_does_not_stop_the_good_ones(tmp_path):
-    folder = tmp_path / "specs"
-    folder.mkdir()
-    data = json.loads((ROOT / "specs" / "rms_norm.json").read_text())
-    shutil.copy(ROOT / "specs" / data["source_path"], folder / data["source_path"])
+    folder, _ = users_folder(tmp_path)
     (folder / "a_broken.json").write_text('{"name": "broken", "kind": "triton",,}')
-    (folder / "rms_norm.json").write_text(json.dumps(data))
-    done = cli("--input", str(folder), "--outdir", str(tmp_path / "out"), "--no-llm", "--budget", "1", "--no-progress")
+    done = run_budget_1(folder, tmp_path)
     assert done.returncode == 1  # something failed: said, and the exit code says so
     assert f"error: {folder / 'a_broken.json'}: not valid JSON" in done.stderr
     assert "rms_norm: best " in done.stdout  # the good spec ran anyway
 
 
 def test_a_failing_baseline_names_the_kernel_once(tmp_path):
-    folder = tmp_path / "my_kernels"
-    folder.mkdir()
-    data = json.loads((ROOT / "specs" / "rms_norm.json").read_text())
-    shutil.copy(ROOT / "specs" / data["source_path"], folder / data["source_path"])
-    (folder / "broken_reference.py").write_text("def rms_norm(x, w, eps):\n    raise ValueError('not written yet')\n")
-    data["reference"]["function"] = "broken_reference.rms_norm"
-    (folder / "spec.json").write_text(json.dumps(data))
-    done = cli("--input", str(folder / "spec.json"), "--outdir", str(tmp_path / "out"), "--no-llm", "--budget", "1",
-               "--no-progress")  # fmt: skip
+    folder, _ = users_folder(tmp_path, {"broken_reference.py": "def rms_norm(x, w, eps):\n    raise ValueError('no')\n",
+                                        "function": "broken_reference.rms_norm"})  # fmt: skip
+    done = run_budget_1(folder / "rms_norm.json", tmp_path)
     assert done.returncode == 1 and "rms_norm: the baseline fails" in done.stderr, done.stderr[-2000:]
     assert "rms_norm: rms_norm:" not in done.stderr
