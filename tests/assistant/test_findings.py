@@ -44,3 +44,19 @@ def test_specific_advice_overrides_the_kind_fix():
     f = Finding(kind="python_loop", location="x", evidence="e", advice="use index_add_")
     assert f.fix == "use index_add_" and f.to_dict()["fix"] == "use index_add_"
     assert Finding(kind="python_loop", location="x", evidence="e").fix == KINDS["python_loop"].fix
+
+
+def test_the_waterfall_keeps_its_columns_with_long_fix_names():
+    # a fix named longer than the column used to push its time out of line with the others
+    import torch
+
+    from kernel_lib.assistant.report import OptimizationResult, WaterfallStep
+    from kernel_lib.bench import StepCost
+
+    names = ["original", "fused_linear_cross_entropy_with_chunked_vocabulary", "compile"]
+    steps = [WaterfallStep(n, 10.0 - i, float("nan"), True, "") for i, n in enumerate(names)]
+    result = OptimizationResult("m", "cpu", [], [], StepCost(10.0, 0.01, 10.0, float("nan")), torch.nn.Identity(),
+                                {}, final=StepCost(8.0, 0.01, 8.0, float("nan")), waterfall=steps)  # fmt: skip
+    lines = result.report().splitlines()
+    rows = [line for line in lines if line.strip().split(" ")[0] in names]
+    assert len(rows) == 3 and len({line.index(" ms") for line in rows}) == 1  # the times end in one column
