@@ -227,8 +227,10 @@ def test_model_sized_on_gpu(causal, dtype, atol):
 def test_forward_config_is_what_the_forward_launches_with(device):
     q, k, v = _qkv(1, 2, 1, 40, 40, (80, 48), torch.float16, device)
     config = attention_module.forward_config(q, k, v, causal=True)
-    assert set(config) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
-    if device == "cpu":  # interpreted: the smallest tiles
+    assert set(config) == {"path", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    if config.pop("path") == "hopper":  # SM90: the Hopper kernel's one config
+        assert config["BLOCK_N"] == attention_module.hopper.config(80, 48)["BLOCK_N"]
+    elif device == "cpu":  # interpreted: the smallest tiles
         assert config == meta(attention_module.kernels._FWD_CONFIGS[0])
     else:  # the heuristic's first pick that fits (padded widths 128 + 64), compiled to check it
         fits = attention_module.configs_that_fit(

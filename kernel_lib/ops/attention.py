@@ -38,12 +38,14 @@ fused-attention tutorial.
 """
 
 import math
+import os
 import weakref
 from typing import Optional
 
 import torch
 import triton
 
+from . import attention_hopper as hopper
 from . import attention_kernels as kernels
 from ._utils import (
     autotune_requested,
@@ -185,16 +187,68 @@ def _forward_launch(q, k, v, out, lse, causal, window, scale, cu_q=None, cu_k=No
     return grid, args, flags, config
 
 
+# --------------------------------------------------------------------------------------------------
+# Hopper forward path: the Gluon kernel of attention_hopper.py on SM90, where the tensors suit the TMA
+# --------------------------------------------------------------------------------------------------
+PATHS = ("auto", "portable", "hopper")  # KERNEL_LIB_ATTENTION: auto takes hopper wherever it applies
+
+
+def _requested_path() -> str:
+    path = os.environ.get("KERNEL_LIB_ATTENTION", "auto").lower()
+    if path not in PATHS:
+        raise ValueError(f"KERNEL_LIB_ATTENTION must be one of {', '.join(PATHS)}, got {path!r}")
+    return path
+
+
+def _descriptor_ready(t: torch.Tensor) -> bool:
+    """What the tensor memory accelerator needs: a 16-byte aligned base, unit stride along the head dim, every
+    other stride a multiple of 16 bytes (a head dim of 80 qualifies, 59 does not)."""
+    size = t.element_size()
+    return (t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st in t.stride()[:-1]))  # fmt: skip
+
+
+def uses_hopper_forward(q, k, v, out, scale: float, packed: bool = False) -> bool:
+    """Whether the forward runs the Gluon kernel of ``attention_hopper.py``: an SM90 GPU, a Triton with Gluon's
+    Hopper module, fixed-length (B, H, N, D) tensors whose strides the TMA accepts, head dims up to 128 and a
+    positive scale. ``KERNEL_LIB_ATTENTION=portable`` keeps the portable kernel everywhere."""
+    if _requested_path() == "portable" or packed or not hopper.AVAILABLE or not scale > 0:
+        return False
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if max(q.shape[-1], v.shape[-1]) > hopper.MAX_BLOCK_D:
+        return False
+    return all(_descriptor_ready(t) for t in (q, k, v, out))
+
+
+def _hopper_forward(q, k, v, out, lse, causal, window, scale) -> None:
+    """Launch the Hopper forward (attention_hopper.py) into out and lse."""
+    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v, None, 0, 0)
+    config = hopper.config(D, Dv)
+    descriptors = hopper.descriptors(q, k, v, out, config["BLOCK_N"])
+    flags = dict(CAUSAL=causal, WINDOW=window is not None, BLOCK_M=hopper.BLOCK_M, BLOCK_DQK=hopper.padded(D),
+                 BLOCK_DV=hopper.padded(Dv), **config)  # fmt: skip
+    grid = (triton.cdiv(N, hopper.BLOCK_M), B * Hq)
+    with torch.cuda.device(q.device):
+        hopper._attn_fwd_hopper_kernel[grid](*descriptors, lse, lse.stride(0), lse.stride(1), Hq, N, M, Hq // Hkv,
+                                             scale * LOG2E, window or 0, **flags)  # fmt: skip
+
+
 def forward_config(q, k, v, causal: bool = False, window: Optional[int] = None) -> dict:
-    """The tiles, warps and stages the forward launches with for these (B, H, N, D) inputs on their device (the
-    smallest tiles when interpreted), as the launcher picks them."""
+    """The kernel ("path": "portable" or "hopper"), tiles, warps and pipeline stages the forward launches with for
+    these (B, H, N, D) inputs on their device (the smallest tiles when interpreted), as the launcher picks them.
+    The Hopper kernel's warps are its two consumer warpgroups and its producer warp; its stages, the ring slots."""
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    if uses_hopper_forward(q, k, v, out, 1.0):
+        config = hopper.config(q.shape[-1], v.shape[-1])
+        return dict(path="hopper", BLOCK_M=hopper.BLOCK_M, BLOCK_N=config["BLOCK_N"], num_warps=9,
+                    num_stages=config["STAGES"])  # fmt: skip
     config = _forward_launch(q, k, v, out, lse, causal, window, 1.0)[3]
     if config is None:
         raise RuntimeError("KERNEL_LIB_AUTOTUNE=1: the forward's config is Triton's autotuner's choice")
-    return config
+    return {"path": "portable", **config}
 
 
 def _output_shapes(q, v, packed: bool) -> tuple:
@@ -214,6 +268,9 @@ def _forward(q, k, v, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_
     if out.numel() == 0 or N == 0 or B == 0:
         return out, lse.fill_(float("-inf"))
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    if uses_hopper_forward(q, k, v, out, scale, packed):
+        _hopper_forward(q, k, v, out, lse, causal, window, scale)
+        return out, lse
     grid, args, flags, config = _forward_launch(q, k, v, out, lse, causal, window, scale, cu_q, cu_k, max_q, max_k)
     if config is None:
         kernels._attn_fwd_tuned[grid](*args, **flags)
