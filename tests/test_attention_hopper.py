@@ -1,0 +1,145 @@
+"""The Hopper forward (kernel_lib/ops/attention_hopper.py) and how attention.py chooses it.
+
+On the CPU: the Gluon kernel compiles for an SM90 target (Triton bundles ptxas, no GPU needed) for every class of
+head dims and masks the launcher routes to it, and what the compiler allocates fits a block's shared memory; the
+launcher's checks of the tensors. On an SM90 GPU: the kernel against float64 and against the portable kernel, on
+the cases its code branches on; forcing the portable kernel. FlashAttention's grid (test_attention_grid.py) runs
+through the library's default path, so on an H100/H200 it covers this kernel for head dims up to 128.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernel_lib.ops import attention as attention_module
+from kernel_lib.ops import attention_hopper as hopper
+from kernel_lib.ops.attention import attention_ref, flash_attention
+
+needs_gluon = pytest.mark.skipif(not hopper.AVAILABLE, reason="this Triton has no Gluon Hopper module")
+IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+COMPILED_CASES = [
+    (128, 128, False, False, "bf16"),  # q's tile stages the output (equal widths)
+    (128, 128, True, True, "bf16"),  # masked blocks at both ends of the key range
+    (64, 64, True, False, "bf16"),  # 64-wide tiles
+    (128, 64, True, False, "bf16"),  # Dv != D: a separate output tile
+    (80, 80, False, False, "bf16"),  # a padded head dim
+    (128, 128, True, False, "fp16"),
+]
+# Under the interpreter (these tests' CPU session) Gluon kernels cannot be compiled: a fresh process compiles them.
+_COMPILE = """
+import json, sys, torch
+from kernel_lib.ops import attention_hopper as hopper
+out = []
+dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+for D, Dv, causal, window, dtype in json.loads(sys.argv[1]):
+    kernel = hopper.compile_for_sm90(D, Dv, dtypes[dtype], causal, window)
+    ptx = kernel.asm["ptx"]
+    out.append(dict(shared=kernel.metadata.shared, wgmma="wgmma.mma_async" in ptx,
+                    tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_for_sm90() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(COMPILED_CASES)], capture_output=True,
+                         text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return dict(zip(map(tuple, COMPILED_CASES), json.loads(run.stdout.splitlines()[-1]), strict=True))
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=lambda case: "-".join(map(str, case)))
+def test_kernel_compiles_for_sm90_and_fits_shared_memory(compiled_for_sm90, case):
+    compiled = compiled_for_sm90[case]
+    assert 0 < compiled["shared"] <= hopper.SHARED_LIMIT
+    assert compiled["wgmma"]  # Hopper's warpgroup MMA, not the older mma.sync
+    assert compiled["tma"]  # copies by the tensor memory accelerator
+    assert compiled["setmaxnreg"]  # the warp-specialized partitions rebalance registers
+
+
+@pytest.mark.parametrize(
+    "D, stride_ok",
+    [(64, True), (80, True), (59, False)],  # rows of 59 bf16 are 118 bytes: not a multiple of 16
+)
+def test_descriptor_ready_needs_16_byte_strides(D, stride_ok):
+    t = torch.empty(2, 3, 5, D, dtype=torch.bfloat16)
+    assert attention_module._descriptor_ready(t) == stride_ok
+    assert not attention_module._descriptor_ready(t.transpose(-1, -2))  # the head dim must have unit stride
+    assert not attention_module._descriptor_ready(t[:, :, :0])  # empty: no descriptor to make
+
+
+def test_unknown_path_is_an_error(monkeypatch):
+    monkeypatch.setenv("KERNEL_LIB_ATTENTION", "fast")
+    q = torch.randn(1, 1, 4, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="KERNEL_LIB_ATTENTION"):
+        attention_module.uses_hopper_forward(q, q, q, q, 1.0)
+
+
+def test_cpu_tensors_take_the_portable_kernel():
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    assert not attention_module.uses_hopper_forward(q, q, q, q, 0.125)
+    assert attention_module.forward_config(q, q, q)["path"] == "portable"
+
+
+sm90 = pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU (H100, H200)")
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, N, M, D, Dv, causal, window, dtype",
+    [
+        (2, 4, 2, 1000, 1000, 128, 128, True, None, torch.bfloat16),  # GQA, a ragged last block
+        (1, 4, 1, 300, 700, 64, 64, True, None, torch.float16),  # MQA, M > N: bottom-right causal
+        (1, 2, 2, 700, 300, 128, 128, True, None, torch.bfloat16),  # N > M: queries that see no key
+        (2, 3, 3, 513, 513, 80, 80, False, None, torch.bfloat16),  # padded head dim
+        (1, 4, 4, 1024, 1024, 96, 96, True, 200, torch.bfloat16),  # window: masked blocks at the start too
+        (1, 2, 1, 129, 1, 40, 40, False, None, torch.float16),  # one key
+        (1, 2, 2, 4096, 4096, 128, 64, True, 1000, torch.bfloat16),  # Dv != D, long window
+        (3, 2, 2, 1, 77, 64, 64, True, None, torch.bfloat16),  # one query
+        (1, 2, 2, 333, 333, 64, 128, False, None, torch.float16),  # Dv > D
+    ],
+)
+def test_hopper_forward_against_float64(B, Hq, Hkv, N, M, D, Dv, causal, window, dtype):
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, Hkv, M, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, M, Dv, device="cuda", dtype=dtype)
+    assert attention_module.forward_config(q, k, v, causal, window)["path"] == "hopper"
+    out, lse = flash_attention(q, k, v, causal=causal, window=window, return_lse=True)
+    ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), causal, window, return_lse=True)
+    own = attention_ref(q, k, v, causal, window)  # fp32 math, rounded to q's dtype: the rounding alone
+    tol = 2 * (own.double() - ref).abs().max().item() + (1e-3 if dtype == torch.float16 else 1e-2)
+    assert (out.double() - ref).abs().max().item() <= tol
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)  # -inf exactly where a query sees no key
+    torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@sm90
+def test_portable_kernel_can_be_forced(monkeypatch):
+    q, k, v = (torch.randn(2, 4, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fast = flash_attention(q, k, v, causal=True)
+    monkeypatch.setenv("KERNEL_LIB_ATTENTION", "portable")
+    assert attention_module.forward_config(q, k, v, causal=True)["path"] == "portable"
+    torch.testing.assert_close(flash_attention(q, k, v, causal=True), fast, atol=1e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@sm90
+def test_layouts_the_tma_refuses_fall_back():
+    q = torch.randn(1, 2, 64, 59, device="cuda", dtype=torch.bfloat16)  # 118-byte rows
+    assert attention_module.forward_config(q, q, q)["path"] == "portable"
+    wide = torch.randn(1, 2, 64, 160, device="cuda", dtype=torch.bfloat16)  # beyond the kernel's 128
+    assert attention_module.forward_config(wide, wide, wide)["path"] == "portable"
+    x = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # (B, N, H, D) view
+    assert attention_module.forward_config(x, x, x)["path"] == "hopper"  # any 16-byte strides work
+    torch.testing.assert_close(flash_attention(x, x, x), attention_ref(x, x, x), atol=1e-2, rtol=0)
