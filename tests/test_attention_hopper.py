@@ -23,13 +23,14 @@ needs_gluon = pytest.mark.skipif(not hopper.AVAILABLE, reason="this Triton has n
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-COMPILED_CASES = [
-    (128, 128, False, False, "bf16"),  # q's tile stages the output (equal widths)
-    (128, 128, True, True, "bf16"),  # masked blocks at both ends of the key range
-    (64, 64, True, False, "bf16"),  # 64-wide tiles
-    (128, 64, True, False, "bf16"),  # Dv != D: a separate output tile
-    (80, 80, False, False, "bf16"),  # a padded head dim
-    (128, 128, True, False, "fp16"),
+COMPILED_CASES = [  # (D, Dv, causal, window, dtype, packed)
+    (128, 128, False, False, "bf16", False),  # q's tile stages the output (equal widths)
+    (128, 128, True, True, "bf16", False),  # masked blocks at both ends of the key range
+    (64, 64, True, False, "bf16", False),  # 64-wide tiles
+    (128, 64, True, False, "bf16", False),  # Dv != D: a separate output tile
+    (80, 80, False, False, "bf16", False),  # a padded head dim
+    (128, 128, True, False, "fp16", False),
+    (128, 128, True, True, "bf16", True),  # packed sequences: offsets read in the kernel, a masked store
 ]
 # Under the interpreter (these tests' CPU session) Gluon kernels cannot be compiled: a fresh process compiles them.
 _COMPILE = """
@@ -37,8 +38,8 @@ import json, sys, torch
 from kernel_lib.ops import attention_hopper as hopper
 out = []
 dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-for D, Dv, causal, window, dtype in json.loads(sys.argv[1]):
-    kernel = hopper.compile_for_sm90(D, Dv, dtypes[dtype], causal, window)
+for D, Dv, causal, window, dtype, packed in json.loads(sys.argv[1]):
+    kernel = hopper.compile_for_sm90(D, Dv, dtypes[dtype], causal, window, packed)
     ptx = kernel.asm["ptx"]
     out.append(dict(shared=kernel.metadata.shared, wgmma="wgmma.mma_async" in ptx,
                     tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx))
@@ -143,3 +144,34 @@ def test_layouts_the_tma_refuses_fall_back():
     x = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # (B, N, H, D) view
     assert attention_module.forward_config(x, x, x)["path"] == "hopper"  # any 16-byte strides work
     torch.testing.assert_close(flash_attention(x, x, x), attention_ref(x, x, x), atol=1e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize(
+    "lengths, Hq, Hkv, D, Dv, causal, window",
+    [
+        ([300, 0, 1, 700, 129], 4, 2, 128, 128, True, None),  # an empty and a one-token document, ragged ends
+        ([1000, 24, 513], 2, 1, 64, 64, False, None),  # no mask: a tile spans the next document's rows
+        ([2000, 77, 640], 4, 4, 96, 96, True, 100),  # windows restart per document
+        ([128, 256, 384], 2, 2, 128, 64, True, None),  # lengths on tile boundaries, Dv != D
+    ],
+)
+def test_hopper_forward_packed_against_float64(lengths, Hq, Hkv, D, Dv, causal, window):
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    q = torch.randn(total, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(total, Hkv, Dv, device="cuda", dtype=torch.bfloat16)
+    out_buf = torch.empty(total, Hq, Dv, device="cuda", dtype=torch.bfloat16)
+    assert attention_module.uses_hopper_forward(q, k, v, out_buf, D**-0.5, packed=True)
+    out, lse = attention_module.flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal,
+                                                       window=window, return_lse=True)  # fmt: skip
+    ref, ref_lse = attention_module.attention_varlen_ref(q.double(), k.double(), v.double(), cu, cu, causal, window,
+                                                         return_lse=True)  # fmt: skip
+    own = attention_module.attention_varlen_ref(q, k, v, cu, cu, causal, window)
+    tol = 2 * (own.double() - ref).abs().max().item() + 1e-2
+    assert (out.double() - ref).abs().max().item() <= tol
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=1e-4, rtol=1e-4)

@@ -210,9 +210,9 @@ def _descriptor_ready(t: torch.Tensor) -> bool:
 
 def uses_hopper_forward(q, k, v, out, scale: float, packed: bool = False) -> bool:
     """Whether the forward runs the Gluon kernel of ``attention_hopper.py``: an SM90 GPU, a Triton with Gluon's
-    Hopper module, fixed-length (B, H, N, D) tensors whose strides the TMA accepts, head dims up to 128 and a
-    positive scale. ``KERNEL_LIB_ATTENTION=portable`` keeps the portable kernel everywhere."""
-    if _requested_path() == "portable" or packed or not hopper.AVAILABLE or not scale > 0:
+    Hopper module, (B, H, N, D) or packed (tokens, H, D) tensors whose strides the TMA accepts, head dims up to
+    128 and a positive scale. ``KERNEL_LIB_ATTENTION=portable`` keeps the portable kernel everywhere."""
+    if _requested_path() == "portable" or not hopper.AVAILABLE or not scale > 0:
         return False
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
@@ -221,17 +221,20 @@ def uses_hopper_forward(q, k, v, out, scale: float, packed: bool = False) -> boo
     return all(_descriptor_ready(t) for t in (q, k, v, out))
 
 
-def _hopper_forward(q, k, v, out, lse, causal, window, scale) -> None:
-    """Launch the Hopper forward (attention_hopper.py) into out and lse."""
-    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v, None, 0, 0)
+def _hopper_forward(q, k, v, out, lse, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_k=0) -> None:
+    """Launch the Hopper forward (attention_hopper.py) into out and lse; packed when ``cu_q`` is given."""
+    B, Hq, Hkv, N, M, D, Dv = _shapes(q, k, v, cu_q, max_q, max_k)
+    packed = cu_q is not None
     config = hopper.config(D, Dv)
-    descriptors = hopper.descriptors(q, k, v, out, config["BLOCK_N"])
-    flags = dict(CAUSAL=causal, WINDOW=window is not None, BLOCK_M=hopper.BLOCK_M, BLOCK_DQK=hopper.padded(D),
-                 BLOCK_DV=hopper.padded(Dv), **config)  # fmt: skip
+    descriptors = hopper.descriptors(q, k, v, out, config["BLOCK_N"], packed)
+    flags = dict(CAUSAL=causal, WINDOW=window is not None, VARLEN=packed, BLOCK_M=hopper.BLOCK_M,
+                 BLOCK_DQK=hopper.padded(D), BLOCK_DV=hopper.padded(Dv), **config)  # fmt: skip
     grid = (triton.cdiv(N, hopper.BLOCK_M), B * Hq)
+    stores = (out, out.stride(1), out.stride(0)) if packed else (out, 0, 0)  # packed: a masked store per row
+    offsets = (cu_q, cu_k) if packed else (lse, lse)  # unused pointers when not packed
     with torch.cuda.device(q.device):
-        hopper._attn_fwd_hopper_kernel[grid](*descriptors, lse, lse.stride(0), lse.stride(1), Hq, N, M, Hq // Hkv,
-                                             scale * LOG2E, window or 0, **flags)  # fmt: skip
+        hopper._attn_fwd_hopper_kernel[grid](*descriptors, *stores, Dv, lse, *_stat_strides(lse, packed), *offsets,
+                                             Hq, N, M, Hq // Hkv, scale * LOG2E, window or 0, **flags)  # fmt: skip
 
 
 def forward_config(q, k, v, causal: bool = False, window: Optional[int] = None) -> dict:
@@ -269,7 +272,7 @@ def _forward(q, k, v, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_
         return out, lse.fill_(float("-inf"))
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     if uses_hopper_forward(q, k, v, out, scale, packed):
-        _hopper_forward(q, k, v, out, lse, causal, window, scale)
+        _hopper_forward(q, k, v, out, lse, causal, window, scale, cu_q, cu_k, max_q, max_k)
         return out, lse
     grid, args, flags, config = _forward_launch(q, k, v, out, lse, causal, window, scale, cu_q, cu_k, max_q, max_k)
     if config is None:

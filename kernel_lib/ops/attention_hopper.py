@@ -75,12 +75,15 @@ if AVAILABLE:
         return p, m_new, alpha, l_i
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, kv_ready, kv_free, b, h, hk,
-                     start_m, lo, n_blocks, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr):  # fmt: skip
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, kv_ready, kv_free, bd, h, hk,
+                  q_row, k_row, n_blocks, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):  # fmt: skip
+        """Copies in the order the consumers use them: each warpgroup's q rows (from q_row), then the key/value
+        blocks from k_row, each into the next ring slot once both warpgroups have freed it. bd: the batch
+        index of the descriptors (0 when packed)."""
         for wg in gl.static_range(2):
             mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, start_m + wg * HALF_M, 0], q_ready.index(wg),
+            tma.async_copy_global_to_shared(q_desc, [bd, h, q_row + wg * HALF_M, 0], q_ready.index(wg),
                                             q_smem.index(wg))  # fmt: skip
         for i in range(n_blocks):
             slot = i % STAGES
@@ -88,15 +91,17 @@ if AVAILABLE:
                 mbarrier.wait(kv_free.index(slot), ((i // STAGES) - 1) & 1)
             bar = kv_ready.index(slot)
             mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, lo + i * BLOCK_N, 0], bar, k_smem.index(slot))
-            tma.async_copy_global_to_shared(v_desc, [b, hk, lo + i * BLOCK_N, 0], bar, v_smem.index(slot))
+            tma.async_copy_global_to_shared(k_desc, [bd, hk, k_row + i * BLOCK_N, 0], bar, k_smem.index(slot))
+            tma.async_copy_global_to_shared(v_desc, [bd, hk, k_row + i * BLOCK_N, 0], bar, v_smem.index(slot))
 
     @gluon.jit
-    def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, kv_ready, kv_free, turn, lse_ptr, slb,
-                     slh, b, h, start_m, N, M, qk_scale, WINDOW_SIZE, lo, lo_full, hi_full, n_blocks,
-                     WG: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, HALF_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
-                     STAGES: gl.constexpr):  # fmt: skip
+    def _consumer(o_desc, o_base, son, D_V, lse_base, q_smem, k_smem, v_smem, o_smem, q_ready, kv_ready, kv_free,
+                  turn, bd, h, q0, start_m, N, M, qk_scale, WINDOW_SIZE, lo, lo_full, hi_full, n_blocks,
+                  WG: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+                  HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+                  STAGES: gl.constexpr):  # fmt: skip
+        """One warpgroup's 64 query rows (WG 0 or 1): the online softmax over n_blocks key blocks from lo, in
+        turns with the other warpgroup, then out and lse. o_base, lse_base: this sequence's row 0 of head h."""
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
@@ -153,26 +158,36 @@ if AVAILABLE:
         l_safe = gl.where(seen, l_i, 1.0)
         out = acc / gl.convert_layout(l_safe, rows_o)[:, None]
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-        o_tile = o_smem.index(WG)
-        o_tile.reshape([HALF_M, BLOCK_DV]).store(out.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_tile)
-        lse_base = lse_ptr + b.to(gl.int64) * slb + h.to(gl.int64) * slh
         gl.store(lse_base + offs_m, lse, mask=offs_m < N)
-        tma.store_wait(pendings=0)
+        if VARLEN:  # rows past this sequence belong to the next one: a masked store, not the TMA's
+            rows = row0 + gl.arange(0, HALF_M, layout=rows_o)
+            cols = gl.arange(0, BLOCK_DV, layout=gl.SliceLayout(0, o_layout))
+            keep = (rows[:, None] < N) & (cols[None, :] < D_V)
+            gl.store(o_base + rows[:, None].to(gl.int64) * son + cols[None, :], out.to(dtype), mask=keep)
+        else:
+            o_tile = o_smem.index(WG)
+            o_tile.reshape([HALF_M, BLOCK_DV]).store(out.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [bd, h, q0 + row0, 0], o_tile)
+            tma.store_wait(pendings=0)
 
     @gluon.jit
     def _attn_fwd_hopper_kernel(
         q_desc,  # descriptor of q (B, Hq, N, D_QK), blocks (1, 1, BLOCK_M / 2, BLOCK_DQK): one per warpgroup
         k_desc,  # descriptor of k (B, Hkv, M, D_QK), blocks (1, 1, BLOCK_N, BLOCK_DQK)
         v_desc,  # descriptor of v (B, Hkv, M, D_V), blocks (1, 1, BLOCK_N, BLOCK_DV)
-        o_desc,  # descriptor of out (B, Hq, N, D_V), blocks (1, 1, BLOCK_M / 2, BLOCK_DV)
-        lse_ptr, slb, slh,  # (B, Hq, N) float32 log-sum-exp and its batch and head strides
-        Hq, N, M,  # query heads, query length, key length
+        o_desc,  # descriptor of out (B, Hq, N, D_V), blocks (1, 1, BLOCK_M / 2, BLOCK_DV); packed: unused
+        # (packed sequences, VARLEN: the descriptors view the (tokens, H, D) tensors as (1, H, tokens, D))
+        out_ptr, soh, son,  # packed: out (tokens, Hq, D_V) and its head and token strides (a masked store)
+        D_V,  # head dim of v and out (the masked store's columns)
+        lse_ptr, slb, slh,  # float32 log-sum-exp, (B, Hq, N) or packed (Hq, tokens), and its batch, head strides
+        cu_q_ptr, cu_k_ptr,  # packed: (B + 1,) int32 first row of each sequence in q and k
+        Hq, N, M,  # query heads, query length, key length (packed: the longest sequence's)
         GROUP,  # query heads per key/value head
         qk_scale,  # scale * log2(e) > 0: scores are kept in base 2
         WINDOW_SIZE,  # window length W (used when WINDOW)
         CAUSAL: gl.constexpr, WINDOW: gl.constexpr,  # bottom-right causal mask; sliding window on top of it
+        VARLEN: gl.constexpr,  # packed sequences: lengths and first rows from cu_q_ptr, cu_k_ptr
         BLOCK_M: gl.constexpr,  # queries per program, half per consumer warpgroup
         BLOCK_N: gl.constexpr,  # keys per step
         BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,  # padded head dims (the descriptors' block widths)
@@ -186,6 +201,15 @@ if AVAILABLE:
         b = gl.program_id(1) // Hq
         h = gl.program_id(1) % Hq
         hk = h // GROUP
+        bd = b  # the descriptors' batch index
+        q0 = 0
+        k0 = 0
+        if VARLEN:
+            bd = 0
+            q0 = gl.load(cu_q_ptr + b)
+            N = gl.load(cu_q_ptr + b + 1) - q0
+            k0 = gl.load(cu_k_ptr + b)
+            M = gl.load(cu_k_ptr + b + 1) - k0
         lo = 0
         hi = M
         if CAUSAL:
@@ -199,6 +223,10 @@ if AVAILABLE:
         if WINDOW:
             lo_full = gl.cdiv(gl.maximum(0, start_m + BLOCK_M + M - N - WINDOW_SIZE), BLOCK_N) * BLOCK_N
         n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        if start_m >= N:  # packed: past this sequence's end (the grid covers the longest); nothing to compute
+            n_blocks = 0
+        o_base = out_ptr + h.to(gl.int64) * soh + q0.to(gl.int64) * son
+        lse_base = lse_ptr + b.to(gl.int64) * slb + h.to(gl.int64) * slh + q0
 
         q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, BLOCK_DQK], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DQK], k_desc.layout)
@@ -221,14 +249,14 @@ if AVAILABLE:
 
         gl.warp_specialize(
             [  # the default partition (num_warps = 4) and the second warpgroup consume; one warp produces
-                (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, kv_ready, kv_free, turn, lse_ptr, slb,
-                             slh, b, h, start_m, N, M, qk_scale, WINDOW_SIZE, lo, lo_full, hi_full, n_blocks, 0,
-                             CAUSAL, WINDOW, HALF_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, STAGES)),
-                (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, kv_ready, kv_free, turn, lse_ptr, slb,
-                             slh, b, h, start_m, N, M, qk_scale, WINDOW_SIZE, lo, lo_full, hi_full, n_blocks, 1,
-                             CAUSAL, WINDOW, HALF_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, STAGES)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, kv_ready, kv_free, b, h, hk,
-                             start_m, lo, n_blocks, HALF_M, BLOCK_N, STAGES)),
+                (_consumer, (o_desc, o_base, son, D_V, lse_base, q_smem, k_smem, v_smem, o_smem, q_ready, kv_ready,
+                             kv_free, turn, bd, h, q0, start_m, N, M, qk_scale, WINDOW_SIZE, lo, lo_full, hi_full,
+                             n_blocks, 0, CAUSAL, WINDOW, VARLEN, HALF_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, STAGES)),
+                (_consumer, (o_desc, o_base, son, D_V, lse_base, q_smem, k_smem, v_smem, o_smem, q_ready, kv_ready,
+                             kv_free, turn, bd, h, q0, start_m, N, M, qk_scale, WINDOW_SIZE, lo, lo_full, hi_full,
+                             n_blocks, 1, CAUSAL, WINDOW, VARLEN, HALF_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, STAGES)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, kv_ready, kv_free, bd, h, hk,
+                             q0 + start_m, k0 + lo, n_blocks, HALF_M, BLOCK_N, STAGES)),
             ],
             [4, 1],
             [CONSUMER_REGS, 24],
@@ -261,12 +289,14 @@ def shared_bytes(D: int, Dv: int, block_n: int = 128, stages: int = 3) -> int:
     return 2 * (BLOCK_M * dqk + stages * block_n * (dqk + dv) + out) + 8 * (4 + 2 * stages)
 
 
-def descriptors(q, k, v, out, block_n: int):
+def descriptors(q, k, v, out, block_n: int, packed: bool = False):
     """Gluon tensor descriptors over the four (B, H, N, D) tensors (any strides the TMA accepts) with this
-    kernel's block shapes: BLOCK_M / 2 rows of q and out (one warpgroup's), block_n rows of k and v."""
+    kernel's block shapes: BLOCK_M / 2 rows of q and out (one warpgroup's), block_n rows of k and v. Packed
+    (tokens, H, D) tensors are viewed as (1, H, tokens, D)."""
     element = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
 
     def make(t, rows):
+        t = t.unsqueeze(0).transpose(1, 2) if packed else t
         block = [1, 1, rows, padded(t.shape[-1])]
         layout = gl.NVMMASharedLayout.get_default_for(block, element)
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
@@ -275,7 +305,7 @@ def descriptors(q, k, v, out, block_n: int):
 
 
 def compile_for_sm90(D: int, Dv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                     window: bool = False):  # fmt: skip
+                     window: bool = False, varlen: bool = False):  # fmt: skip
     """Compile the kernel for an SM90 target without a GPU (Triton bundles ptxas): what a CPU test checks (it
     builds with this Triton and fits the shared memory) and what a reader inspects (``.asm["ptx"]``,
     ``.metadata.shared``). Uses ``GluonASTSource``, a private name of Triton's; raises ImportError without it."""
@@ -286,7 +316,13 @@ def compile_for_sm90(D: int, Dv: int, dtype: torch.dtype = torch.bfloat16, causa
 
     element, name = (gl.float16, "fp16") if dtype == torch.float16 else (gl.bfloat16, "bf16")
     flags = dict(
-        CAUSAL=causal, WINDOW=window, BLOCK_M=BLOCK_M, BLOCK_DQK=padded(D), BLOCK_DV=padded(Dv), **config(D, Dv)
+        CAUSAL=causal,
+        WINDOW=window,
+        VARLEN=varlen,
+        BLOCK_M=BLOCK_M,
+        BLOCK_DQK=padded(D),
+        BLOCK_DV=padded(Dv),
+        **config(D, Dv),
     )
     rows = dict(q_desc=BLOCK_M // 2, o_desc=BLOCK_M // 2, k_desc=flags["BLOCK_N"], v_desc=flags["BLOCK_N"])
     widths = dict(q_desc=padded(D), k_desc=padded(D), v_desc=padded(Dv), o_desc=padded(Dv))
@@ -299,6 +335,7 @@ def compile_for_sm90(D: int, Dv: int, dtype: torch.dtype = torch.bfloat16, causa
             layout = gl.NVMMASharedLayout.get_default_for(block, element)
             signature[arg] = f"tensordesc<{name}[{', '.join(map(str, block))}],{layout!r}>"
         else:
-            signature[arg] = {"lse_ptr": "*fp32", "qk_scale": "fp32"}.get(arg, "i32")
+            pointers = {"lse_ptr": "*fp32", "out_ptr": f"*{name}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+            signature[arg] = {**pointers, "qk_scale": "fp32"}.get(arg, "i32")
     source = GluonASTSource(_attn_fwd_hopper_kernel, signature=signature, constexprs=flags)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=flags["num_warps"]))
