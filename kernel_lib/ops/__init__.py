@@ -7,7 +7,8 @@ few need siblings too. To use a kernel in your project, copy these files into on
 * ``norms.py``, ``softmax.py``, ``swiglu.py``, ``rope.py``, ``cross_entropy.py``, ``grouped_mm.py``: with
   ``_utils.py`` alone;
 * ``linear_cross_entropy.py``: with ``_utils.py`` and ``cross_entropy.py``;
-* ``attention.py``: with ``_utils.py``, ``attention_kernels.py`` and ``rope.py`` (for ``MultiHeadAttention``'s
+* ``attention.py``: with ``_utils.py``, ``attention_kernels.py``, ``attention_hopper.py`` (the Gluon forward for
+  SM90 GPUs; on a Triton without Gluon it imports and stays unused) and ``rope.py`` (for ``MultiHeadAttention``'s
   rotary embedding; ``flash_attention`` alone does not import it);
 * ``moe.py``: with ``_utils.py``, ``grouped_mm.py`` and ``swiglu.py``.
 
@@ -22,7 +23,7 @@ COMPANIONS = {
     "rope.py": (),
     "cross_entropy.py": (),
     "linear_cross_entropy.py": ("cross_entropy.py",),
-    "attention.py": ("attention_kernels.py", "rope.py"),
+    "attention.py": ("attention_kernels.py", "attention_hopper.py", "rope.py"),
     "grouped_mm.py": (),
     "moe.py": ("grouped_mm.py", "swiglu.py"),
 }
