@@ -7,6 +7,11 @@ output); otherwise the mean of each floating output, so every output gets a grad
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from ..bench import timing as clock  # the timing module alone: no pandas, plots or ceilings
@@ -89,3 +94,76 @@ def profile_step(model, args, kwargs, *, train: bool = True, steps: int = 3) -> 
         for p in model.parameters():
             p.grad = None  # the profile leaves the reader's model as it found it
     return profile
+
+
+# ---- comparing two steps: a ratio with a confidence interval -------------------------------------------------
+NOISE = 0.02  # ratios within 2% of 1 are a tie, however tight the interval
+MIN_ROUNDS, MAX_ROUNDS = 3, 12  # paired rounds before a decision may stop the comparison; the most it takes
+T_975 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26, 11: 2.23, 12: 2.20}
+
+
+@dataclass
+class Comparison:
+    """Two steps timed in alternating rounds: ``ratio`` is the geometric mean of the per-round ratios
+    baseline / candidate (above 1: the candidate is faster), [low, high] its 95% confidence interval (Student's
+    t on the log-ratios). ``baseline`` and ``candidate``: each side's median round."""
+
+    ratio: float
+    low: float
+    high: float
+    rounds: int
+    baseline: StepCost
+    candidate: StepCost
+
+    @property
+    def faster(self) -> bool:
+        """The interval excludes 1 on the fast side, and the ratio is more than the NOISE band."""
+        return self.low > 1 and self.ratio > 1 + NOISE
+
+    @property
+    def slower(self) -> bool:
+        """The interval lies below the NOISE band: slower beyond noise."""
+        return self.high < 1 / (1 + NOISE)
+
+    @property
+    def tie(self) -> bool:
+        """The interval lies inside the NOISE band: as fast, within noise."""
+        return self.low > 1 / (1 + NOISE) and self.high < 1 + NOISE
+
+    def describe(self) -> str:
+        return f"{self.ratio:.2f}x (95% CI {self.low:.2f}-{self.high:.2f}, {self.rounds} rounds)"
+
+
+def compare(baseline: Callable[[], StepCost], candidate: Callable[[], StepCost], *, min_rounds: int = MIN_ROUNDS,
+            max_rounds: int = MAX_ROUNDS, max_seconds: float = 60.0) -> Comparison:  # fmt: skip
+    """Time ``baseline`` and ``candidate`` (each returns one round's StepCost) in alternating order (ABBA, so a
+    drift of the machine falls on both sides) until the confidence interval of their ratio decides (faster,
+    slower or a tie) after at least ``min_rounds`` pairs, or ``max_rounds`` pairs or ``max_seconds`` have passed.
+    One noisy round cannot flip the result: the interval widens with the spread of the rounds."""
+    start = time.perf_counter()
+    logs, base_costs, cand_costs = [], [], []
+    while True:
+        first, second = (baseline, candidate) if len(logs) % 2 == 0 else (candidate, baseline)
+        a, b = first(), second()
+        base, cand = (a, b) if first is baseline else (b, a)
+        base_costs.append(base)
+        cand_costs.append(cand)
+        logs.append(math.log(base.ms / cand.ms))
+        result = _summarize(logs, base_costs, cand_costs)
+        n = len(logs)
+        if n >= max_rounds or (n >= min_rounds and (result.faster or result.slower or result.tie)):
+            return result
+        if n >= min_rounds and time.perf_counter() - start > max_seconds:
+            return result
+
+
+def _summarize(logs: list, base_costs: list, cand_costs: list) -> Comparison:
+    n = len(logs)
+    mean = sum(logs) / n
+    half = math.inf
+    if n > 1:
+        sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+        half = T_975.get(n, 2.0) * sd / math.sqrt(n)
+    median = lambda costs: sorted(costs, key=lambda c: c.ms)[len(costs) // 2]  # noqa: E731
+    return Comparison(ratio=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), rounds=n,
+                      baseline=median(base_costs), candidate=median(cand_costs))  # fmt: skip

@@ -32,16 +32,17 @@ from .findings import KINDS, Finding
 from .report import Opportunity, OptimizationResult, WaterfallStep
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-NOISE = 0.02  # timings this close are a tie: a combined fix must cut the step time by more to be kept...
+NOISE = measure.NOISE  # ratios this close to 1 are a tie: a fix must be faster by more, with confidence...
 LEANER = 0.10  # ...or cut the step's peak memory by more than this share, with the step not slower than NOISE
 
 
-def _worth_keeping(cost, current_ms: float, current_peak: float) -> bool:
-    """Faster by more than NOISE, or leaner by more than LEANER and not slower by more than NOISE (NaN peaks:
-    no): the same noise decides "faster" and "slower", so a memory saving is not refused for a tie."""
-    if cost.ms < current_ms * (1 - NOISE):
+def _worth_keeping(comparison: measure.Comparison, current_peak: float) -> bool:
+    """Faster with confidence (the ratio's 95% interval above 1, the ratio beyond NOISE), or leaner by more than
+    LEANER and not slower beyond the noise (NaN peaks: no): one noisy round cannot flip the decision, because the
+    rounds repeat until the interval decides (``measure.compare``)."""
+    if comparison.faster:
         return True
-    return cost.ms <= current_ms * (1 + NOISE) and cost.peak_bytes < current_peak * (1 - LEANER)
+    return not comparison.slower and comparison.candidate.peak_bytes < current_peak * (1 - LEANER)
 
 
 def split_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -109,11 +110,27 @@ class _Context:
     findings: list[Finding] = field(default_factory=list)
 
 
+def _reference_runs(step) -> list[str]:
+    """The kernel_lib ops that ran their plain PyTorch reference instead of their kernel during ``step()``."""
+    from ..ops import _utils
+
+    before = dict(_utils.REFERENCE_RUNS)
+    step()
+    return sorted(op for op, n in _utils.REFERENCE_RUNS.items() if n > before.get(op, 0))
+
+
+def _timed_where(model, ctx) -> str:
+    """What a ratio measured on the CPU is: said next to the number."""
+    return "" if ctx.device.type == "cuda" else " (timed on the CPU: says little about a GPU)"
+
+
 class CompilerOptimizationAssistant:
     """Finds what slows a model down, applies the course's fixes, and proves each one on this machine.
 
     ``device``: where to run (default: the model's device). ``train``: time forward + backward (default) or the
-    forward alone. ``timing``: ``warmup_ms`` / ``rep_ms`` for each measured step. ``progress``: a progress bar.
+    forward alone. ``warmup_ms`` / ``rep_ms``: the timing of each measured round. ``compare_seconds``: how long
+    one keep-or-drop comparison may alternate rounds before it settles on what it has. ``progress``: a progress
+    bar.
     """
 
     def __init__(
@@ -124,12 +141,14 @@ class CompilerOptimizationAssistant:
         validator: ComponentValidator | None = None,
         warmup_ms: float | None = None,
         rep_ms: float | None = None,
+        compare_seconds: float = 60.0,
         progress: bool = True,
     ):
         self.device = torch.device(device) if device is not None else None
         self.train = train
         self.validator = validator or ComponentValidator()
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+        self.compare_seconds = compare_seconds
         self.progress = progress
         _quiet()
 
@@ -231,6 +250,13 @@ class CompilerOptimizationAssistant:
         warmup = self.warmup_ms if self.warmup_ms is not None else (100 if on_gpu else 5)
         rep = self.rep_ms if self.rep_ms is not None else (500 if on_gpu else 20)
         return measure.step_cost(model, args, kwargs, train=self.train, warmup_ms=warmup, rep_ms=rep)
+
+    def _compare(self, current, candidate, args, kwargs) -> measure.Comparison:
+        """The step of ``candidate`` against ``current`` in alternating rounds (``measure.compare``)."""
+        return measure.compare(
+            lambda: self._cost(current, args, kwargs), lambda: self._cost(candidate, args, kwargs),
+            max_seconds=self.compare_seconds,
+        )  # fmt: skip
 
     def _validate(self, original, optimized, args, kwargs, loss_only: bool, autocast: bool) -> ValidationReport:
         base = rewrites.Autocast(original) if autocast else original
@@ -354,12 +380,19 @@ class CompilerOptimizationAssistant:
             opp.note = "failed validation, not applied: " + report.summary()
             return opp
         try:
-            opp.cost = self._cost(new, ctx.args, ctx.kwargs)
+            fell_back = _reference_runs(lambda: measure.train_step(new, ctx.args, ctx.kwargs))
+            comparison = self._compare(model, new, ctx.args, ctx.kwargs)
         except Exception as exc:
             opp.validated, opp.note = False, f"the rewritten model failed to run a step: {type(exc).__name__}: {exc}"
             return opp
-        opp.estimated_speedup = baseline.ms / opp.cost.ms
-        opp.note = "validated" + ("" if opp.estimated_speedup > 1 + NOISE else "; no faster alone")
+        opp.cost, opp.comparison = comparison.candidate, comparison
+        if fell_back:  # a kernel swap whose kernel never ran is not credited with what the reference did
+            opp.note = (f"validated; not credited: {', '.join(fell_back)} ran the plain PyTorch reference, not the "
+                        "Triton kernel (CPU tensors without TRITON_INTERPRET=1)")  # fmt: skip
+            return opp
+        opp.estimated_speedup = comparison.ratio
+        verdict = "" if comparison.faster else "; no faster alone"
+        opp.note = f"validated{verdict}: {comparison.describe()}" + _timed_where(model, ctx)
         return opp
 
     def combine(self, result: OptimizationResult, chosen: list[Opportunity]) -> OptimizationResult:
@@ -391,17 +424,18 @@ class CompilerOptimizationAssistant:
         current_peak = result.baseline.peak_bytes
 
         def attempt(opp):
+            """The kept fixes plus ``opp``: (model, validation, comparison against the current model) or None."""
             try:
                 candidate, auto = self._rewrite(model, [k.finding for k in kept] + [opp.finding])
                 report = self._validate(model, candidate, args, kwargs, result.loss_only, auto)
-                cost = self._cost(candidate, args, kwargs) if report.passed else None
+                comparison = self._compare(final_model, candidate, args, kwargs) if report.passed else None
             except Exception as exc:
                 steps.append(WaterfallStep(opp.technique, math.nan, math.nan, False, f"{type(exc).__name__}: {exc}"))
                 return None
-            if cost is None:
+            if comparison is None:
                 steps.append(WaterfallStep(opp.technique, math.nan, math.nan, False, "failed validation combined"))
                 return None
-            return candidate, report, cost
+            return candidate, report, comparison
 
         def keep_if_faster(opp, label: str, not_faster: str) -> None:
             """Try ``opp`` on top of the kept fixes; keep it when ``_worth_keeping``."""
@@ -409,9 +443,10 @@ class CompilerOptimizationAssistant:
             tried = attempt(opp)
             if tried is None:
                 return
-            candidate, report, cost = tried
-            keep = _worth_keeping(cost, current_ms, current_peak)
-            reason = "" if keep else f"{not_faster} ({cost.ms:.3f} vs {current_ms:.3f} ms)"
+            candidate, report, comparison = tried
+            cost = comparison.candidate
+            keep = _worth_keeping(comparison, current_peak)
+            reason = "" if keep else f"{not_faster} ({comparison.describe()})"
             steps.append(WaterfallStep(label, cost.ms, cost.peak_bytes, keep, reason))
             if keep:
                 kept.append(opp)
@@ -425,20 +460,22 @@ class CompilerOptimizationAssistant:
         # The compile step: its modes are alternatives; the fastest one on top of the kept fixes wins.
         tries = [(opp, attempt(opp)) for opp in compile_like]
         tries = [(opp, t) for opp, t in tries if t is not None]
-        best = min(tries, key=lambda item: item[1][2].ms, default=None)
-        best_wins = best is not None and _worth_keeping(best[1][2], current_ms, current_peak)
-        for opp, (_, _, cost) in tries:
+        best = max(tries, key=lambda item: item[1][2].ratio, default=None)
+        best_wins = best is not None and _worth_keeping(best[1][2], current_peak)
+        for opp, (_, _, comparison) in tries:
             win = opp is best[0] and best_wins
             reason = "" if win else (
-                f"not faster on top of the others ({cost.ms:.3f} vs {current_ms:.3f} ms)" if opp is best[0]
-                else f"another compile mode was faster ({best[1][2].ms:.3f} ms)"
+                f"not faster on top of the others ({comparison.describe()})" if opp is best[0]
+                else f"another compile mode was faster ({best[1][2].describe()})"
             )  # fmt: skip
-            steps.append(WaterfallStep(opp.technique, cost.ms, cost.peak_bytes, win, reason))
+            steps.append(WaterfallStep(opp.technique, comparison.candidate.ms, comparison.candidate.peak_bytes, win,
+                                       reason))  # fmt: skip
         if best_wins:
             best[0].applied = True
             kept.append(best[0])
-            current_ms, current_peak = best[1][2].ms, best[1][2].peak_bytes
-            final_model, final_report, final_cost = best[1][0], best[1][1], best[1][2]
+            cost = best[1][2].candidate
+            current_ms, current_peak = cost.ms, cost.peak_bytes
+            final_model, final_report, final_cost = best[1][0], best[1][1], cost
             # Compilation changes what a fix is worth: one dropped as not faster on an eager, host-bound model
             # (its extra launches cost more than the bytes it saved) may pay off once launches are free. Each is
             # tried once more, the compile step last in its rewrite order.

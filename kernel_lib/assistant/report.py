@@ -21,12 +21,14 @@ class Opportunity:
     kind: str
     location: str  # module path and source line
     evidence: str
-    estimated_speedup: float | None = None  # step time of the original / with this fix alone (measured)
+    estimated_speedup: float | None = None  # step time of the original / with this fix alone (measured, the
+    # geometric mean of alternating rounds; None when not measured or not credited)
     applied: bool = False  # kept in the optimized model
     validated: bool | None = None  # None: not validated (no rewrite, or not applicable)
     note: str = ""
     validation: object = field(default=None, repr=False)  # the ValidationReport of this fix alone
-    cost: object = field(default=None, repr=False)  # its measured StepCost
+    cost: object = field(default=None, repr=False)  # its measured StepCost (the median round)
+    comparison: object = field(default=None, repr=False)  # the measure.Comparison against the original
 
     @classmethod
     def from_finding(cls, f: Finding, note: str = "") -> Opportunity:
@@ -39,6 +41,7 @@ class Opportunity:
             "location": self.location,
             "evidence": self.evidence,
             "estimated_speedup": self.estimated_speedup,
+            "speedup_95ci": None if self.comparison is None else [self.comparison.low, self.comparison.high],
             "validated": self.validated,
             "applied": self.applied,
             "note": self.note,
@@ -120,11 +123,15 @@ class OptimizationResult:
     def verdict(self) -> str:
         applied = [o for o in self.optimization_opportunities if o.applied]
         if not applied:
-            helped = [o for o in self.optimization_opportunities if o.estimated_speedup]
-            if helped:
+            faster = [o for o in self.optimization_opportunities if o.comparison is not None and o.comparison.faster
+                      and o.estimated_speedup]  # fmt: skip
+            if not self.waterfall:  # nothing was combined: a report, not a decision
+                names = ", ".join(f"{o.technique} {o.estimated_speedup:.2f}x" for o in faster)
+                return "Report only, no fix applied" + (f"; faster alone, with confidence: {names}." if names else ".")
+            if any(o.estimated_speedup for o in self.optimization_opportunities):
                 return (
-                    "No fix applied: none made the step faster by more than the timing noise (or leaner and not "
-                    "slower than it), so the model is left as it was."
+                    "No fix applied: none made the step faster with confidence (its ratio's 95% interval above 1 "
+                    "and beyond the 2% noise), or leaner and not slower, so the model is left as it was."
                 )
             return "No fix applied."
         final = self.final or self.baseline

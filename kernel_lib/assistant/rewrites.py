@@ -83,9 +83,18 @@ def _compiling() -> bool:
     return bool(is_compiling()) if is_compiling is not None else torch._dynamo.is_compiling()
 
 
-def _kernels_apply(t: torch.Tensor) -> bool:
-    """Triton runs on CUDA tensors, and on CPU tensors only under the interpreter."""
-    return t.is_cuda or ops._utils.is_interpreting()
+def _kernels_apply(t: torch.Tensor, op: str) -> bool:
+    """Triton runs on CUDA tensors, and on CPU tensors only under the interpreter; when it does not, the call is
+    counted in ``ops._utils.REFERENCE_RUNS`` (the assistant credits no speedup to a kernel that never ran)."""
+    if t.is_cuda or ops._utils.is_interpreting():
+        return True
+    _fell_back(op)
+    return False
+
+
+def _fell_back(op: str) -> None:
+    if not torch.compiler.is_compiling():
+        ops._utils.REFERENCE_RUNS[op] += 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -134,7 +143,7 @@ class FusedGatedMLP(torch.nn.Module):
         # backward, a cost the original model does not have
         gate, up = self._get("gate")(x), self._get("up")(x)
         down = self._get("down")
-        if not _kernels_apply(x):
+        if not _kernels_apply(x, "swiglu"):
             h = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate=self.approximate)) * up
         elif self.activation == "silu" and down.weight.dtype == gate.dtype:
             # the activation and the down projection as one op: its backward recomputes the product instead of
@@ -197,10 +206,12 @@ class FusedSelfAttention(torch.nn.Module):
             qkv = _cat_linear(x, [self._get("q"), self._get("k"), self._get("v")])
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, D)
-        fast = _kernels_apply(x) and x.dtype in (torch.float16, torch.bfloat16) and D <= MAX_HEAD_DIM
+        # float32 or wide heads take SDPA by design (a fused kernel too); only a CPU without the interpreter counts
+        # as the kernel not running
+        fast = _kernels_apply(x, "flash_attention") and x.dtype in (torch.float16, torch.bfloat16) and D <= MAX_HEAD_DIM
         if self.rope_base is not None:
             cos, sin = self._cos_sin(T, x.device)
-            rot = ops.rope.rope if _kernels_apply(x) else ops.rope.rope_ref
+            rot = ops.rope.rope if _kernels_apply(x, "rope") else ops.rope.rope_ref
             q, k = rot(q, cos, sin), rot(k, cos, sin)
         if fast:
             out = ops.attention.flash_attention(q, k, v, causal=self.causal)
@@ -270,7 +281,7 @@ class GroupedMoE(torch.nn.Module):
             for role, name in self.roles.items()
         }  # (E, in, out): grouped_mm's layout
         router = getattr(self, self.router_name).weight
-        fn = ops.moe.moe if _kernels_apply(x) else ops.moe.moe_ref
+        fn = ops.moe.moe if _kernels_apply(x, "moe") else ops.moe.moe_ref
         y, _aux = fn(x, router, stack["gate"], stack["up"], stack["down"], self.top_k, aux_loss_coef=0.0)
         return y
 

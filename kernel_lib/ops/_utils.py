@@ -20,6 +20,7 @@ This file depends on torch alone (triton is imported lazily), so it can be copie
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import inspect
@@ -50,11 +51,14 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+REFERENCE_RUNS: collections.Counter = collections.Counter()  # op -> calls that ran the reference, not the kernel
+
+
 def use_triton(*tensors: torch.Tensor, op: str = "kernel") -> bool:
     """Decide whether ``op`` runs its Triton kernel on these tensors (True) or the reference (False).
 
     CUDA tensors: always the kernel. CPU tensors: the kernel under the interpreter, else the reference,
-    with a one-time warning saying so. Any other device raises, naming it.
+    with a one-time warning saying so (and a count per op in ``REFERENCE_RUNS``). Any other device raises.
     """
     if all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)):  # the common case, without building a set
         return True
@@ -63,6 +67,7 @@ def use_triton(*tensors: torch.Tensor, op: str = "kernel") -> bool:
         if is_interpreting():
             return True
         if not torch.compiler.is_compiling():  # Dynamo traces the reference; a warning there would break the graph
+            REFERENCE_RUNS[op] += 1  # read by the assistant: a kernel swap that never ran its kernel is not credited
             warn_once(
                 f"cpu-fallback-{op}",
                 f"kernel_lib.{op}: CPU tensors and TRITON_INTERPRET is not set, so the plain PyTorch "

@@ -48,7 +48,9 @@ def test_each_fix_alone_is_validated_and_measured(naive_result):
     }
     for o in tried:
         assert o.validated, o.note
-        assert o.estimated_speedup == pytest.approx(result.baseline.ms / o.cost.ms)
+        assert o.estimated_speedup == pytest.approx(o.comparison.ratio)  # alternating rounds against the original
+        assert o.comparison.low <= o.estimated_speedup <= o.comparison.high
+        assert "timed on the CPU" in o.note  # a CPU ratio says so next to the number
     untried = [o for o in result.optimization_opportunities if o.technique not in MODULE_FIXES]
     assert all(not o.applied and o.estimated_speedup is None for o in untried)
 
@@ -300,3 +302,70 @@ def test_a_fix_as_fast_but_leaner_is_kept(monkeypatch, mlp_ms, mlp_peak, kept):
     by = {o.technique: o for o in result.optimization_opportunities}
     assert by["fused_gated_mlp"].applied is kept
     assert (result.optimized_model is not result._original) is kept
+
+
+class _NoisyCosts:
+    """A timer whose first two readings of the fused model come out 30% fast, then scatter around the truth (the
+    same speed as the original): one reading, as the assistant used to take, would keep the fix."""
+
+    FACTORS = [0.7, 0.7, 1.05, 0.97, 1.03, 0.98, 1.02, 0.96, 1.04, 0.99, 1.01, 1.0]
+
+    def __init__(self, truth: float = 1.0):
+        self.truth, self.calls = truth, 0
+
+    def __call__(self, model, args, kwargs):
+        ms = 10.0
+        if any(type(m).__name__ == "FusedGatedMLP" for m in model.modules()):
+            ms *= self.truth * self.FACTORS[self.calls % len(self.FACTORS)]
+            self.calls += 1
+        return measure.StepCost(ms=ms, spread=0.0, first_ms=ms, peak_bytes=float("nan"), timer="fake")
+
+
+@pytest.mark.parametrize("truth, kept", [(1.0, False), (0.5, True)])  # as fast with outliers; truly twice as fast
+def test_a_noisy_timer_does_not_flip_the_keep_decision(monkeypatch, truth, kept):
+    assistant = CompilerOptimizationAssistant(progress=False)
+    monkeypatch.setattr(assistant, "_cost", _NoisyCosts(truth))
+    result = assistant.optimize_model(Wrap(GatedMLP(32, 64)), (torch.randn(4, 32),), techniques=["fused_gated_mlp"])
+    opp = next(o for o in result.optimization_opportunities if o.technique == "fused_gated_mlp")
+    assert opp.applied is kept
+    assert opp.comparison.rounds >= measure.MIN_ROUNDS
+    if not kept:  # the interval still straddles 1 when the rounds run out
+        assert opp.comparison.low < 1 < opp.comparison.high and "no faster alone" in opp.note
+
+
+def test_a_kernel_that_did_not_run_is_not_credited(monkeypatch):
+    from kernel_lib.ops import _utils
+
+    monkeypatch.setattr(_utils, "is_interpreting", lambda: False)  # CPU tensors: the reference runs instead
+    assistant = CompilerOptimizationAssistant(progress=False)
+    monkeypatch.setattr(assistant, "_cost", _FakeCosts({"base": 10.0, "FusedGatedMLP": 0.5}))
+    result = assistant.optimize_model(Wrap(GatedMLP(32, 64)), (torch.randn(4, 32),), techniques=["fused_gated_mlp"])
+    opp = next(o for o in result.optimization_opportunities if o.technique == "fused_gated_mlp")
+    assert opp.validated and opp.estimated_speedup is None and not opp.applied
+    assert "not credited" in opp.note and "swiglu" in opp.note
+
+
+def test_report_only_says_so(monkeypatch):
+    assistant = CompilerOptimizationAssistant(progress=False)
+    monkeypatch.setattr(assistant, "_cost", _FakeCosts({"base": 10.0, "FusedGatedMLP": 0.5}))
+    result = assistant.optimize_model(
+        Wrap(GatedMLP(32, 64)), (torch.randn(4, 32),), techniques=["fused_gated_mlp"], apply=False
+    )
+    assert result.verdict() == "Report only, no fix applied; faster alone, with confidence: fused_gated_mlp 2.00x."
+
+
+@pytest.mark.parametrize(
+    "candidate, decided, rounds",
+    [
+        ([5.0], "faster", measure.MIN_ROUNDS),  # steady and twice as fast: decided as soon as allowed
+        ([10.0], "tie", measure.MIN_ROUNDS),  # steady and equal: a tie, decided as soon as allowed
+        ([6.0, 14.0], None, measure.MAX_ROUNDS),  # too noisy to decide: every round is spent
+    ],
+)
+def test_compare_alternates_until_the_interval_decides(candidate, decided, rounds):
+    calls = iter(range(10**6))
+    base = lambda: measure.StepCost(10.0, 0.0, 10.0, float("nan"), "fake")  # noqa: E731
+    cand = lambda: measure.StepCost(candidate[next(calls) % len(candidate)], 0.0, 1.0, float("nan"), "fake")  # noqa: E731
+    comparison = measure.compare(base, cand)
+    assert comparison.rounds == rounds
+    assert {"faster": comparison.faster, "tie": comparison.tie}.get(decided, not (comparison.faster or comparison.tie))
