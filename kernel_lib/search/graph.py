@@ -95,6 +95,18 @@ class Graph:
             self.root = node_id
         return node, True
 
+    def lineage(self, node_id: str) -> list[str]:
+        """How ``node_id`` was first derived: the root, then each node's first parent down to it (its depth + 1
+        ids). The selection walk that reached it can be far longer (transpositions, a resumed run's detours)."""
+        chain, seen = [node_id], {node_id}
+        while self.nodes[chain[0]].parents:
+            parent = self.nodes[chain[0]].parents[0]
+            if parent in seen or parent not in self.nodes:
+                break
+            seen.add(parent)
+            chain.insert(0, parent)
+        return chain
+
     def set_edges(self, node: Node, actions: list[tuple]) -> None:
         """Offer actions (move, label, prior, child features) at ``node``; priors are normalized here."""
         total = sum(a[2] for a in actions) or 1.0

@@ -325,7 +325,7 @@ class Search:
                 self._bar.set_postfix_str(f"best {self.baseline_ms / after.ms:.2f}x")
 
     def _trace_evaluation(self, node_id, info, result, reward, incumbent) -> None:
-        moves = " -> ".join(f"`{p[:6]}`" for p in info["path"])
+        moves = " -> ".join(f"`{p[:6]}`" for p in self.graph.lineage(info["parent"]))  # how it was derived
         if result["status"] == "ok":
             what = f"**{result['ms']:.4g} ms** ({self.baseline_ms / result['ms']:.2f}x the baseline)"
         else:

@@ -223,6 +223,24 @@ def test_kill_9_at_random_moments_loses_nothing(tmp_path):
     assert {e["status"] for e in events if e["type"] == "evaluated"} == {"ok"}  # a kill is never a variant's failure
     assert [e["type"] for e in events].count("resumed") >= 1  # (a resume killed during its start writes none)
     assert state["graph"]["nodes"][state["incumbent"]["id"]]["status"] == "ok"
+    # the trace names how each variant was derived (root to parent), not the walk that reached it
+    deepest = max(n["depth"] for n in state["graph"]["nodes"].values())
+    paths = [line.split(" path ")[1].split(", move")[0] for line in (root / "trace.md").read_text().splitlines()
+             if " path `" in line]  # fmt: skip
+    assert paths and all(p.count("`") // 2 <= deepest for p in paths)
+
+
+def test_the_trace_shows_a_variant_s_lineage_not_the_walk():
+    from kernel_lib.search.graph import Graph
+
+    g = Graph()
+    for node, parent, depth in [("root", None, 0), ("a", "root", 1), ("b", "a", 2), ("c", "root", 1)]:
+        g.add_node(node, parent, depth)
+    g.add_node("b", "c", 2)  # a transposition: b reached again from c
+    g.add_node("a", "b", 3)  # and a cycle back to a
+    assert g.lineage("b") == ["root", "a", "b"]  # first parents: how b was first derived
+    assert g.lineage("a") == ["root", "a"]
+    assert g.lineage("root") == ["root"]
 
 
 # --------------------------------------------------------------------------------------------------
