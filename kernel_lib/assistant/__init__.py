@@ -8,11 +8,13 @@ Modules, one job each: ``findings`` (the table of finding kinds), ``trace`` (rec
 flow), ``source`` (loops in forward methods), ``dynamo`` (graph breaks, recompiles), ``measure`` (step time,
 memory, profile), ``detect`` (findings from those), ``rewrites`` (the automatic fixes), ``pipeline`` (the loop:
 find, measure each fix alone, combine, validate), ``report`` (the result: tables, text, HTML, JSON, waterfall),
-``widgets`` (the notebook form), ``__main__`` (the command line: ``python -m kernel_lib.assistant --help``).
+``plan`` (what was kept, saved and applied again), ``widgets`` (the notebook form), ``__main__`` (the command
+line: ``python -m kernel_lib.assistant --help``).
 """
 
 from .findings import KINDS, Finding, kinds_table
 from .pipeline import CompilerOptimizationAssistant, split_inputs
+from .plan import apply_plan, load_plan, save_plan
 from .report import Opportunity, OptimizationResult
 
 __all__ = [
@@ -21,6 +23,9 @@ __all__ = [
     "Finding",
     "OptimizationResult",
     "Opportunity",
+    "apply_plan",
+    "load_plan",
+    "save_plan",
     "kinds_table",
     "split_inputs",
 ]

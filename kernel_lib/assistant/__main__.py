@@ -4,7 +4,10 @@
 input is random token ids of ``--input-shape`` below ``--vocab`` (default: the model's ``config.vocab_size`` or
 ``vocab_size`` attribute) when the model starts with an embedding, else random floats of that shape in
 ``--dtype``. ``--labels`` also passes the same ids as ``labels=`` (Hugging Face) so the model computes its loss.
-Prints the report (``--json``: the JSON report on stdout). Exit status 0; 2 for bad arguments.
+Prints the report (``--json``: the JSON report on stdout). ``--apply --plan plan.json`` also writes what was kept
+as a plan file (``kernel_lib/assistant/plan.py`` describes it), which
+``kernel_lib.assistant.apply_plan(model, inputs, "plan.json")`` applies to the model again in Python.
+Exit status 0; 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -82,6 +85,12 @@ def main(argv=None) -> int:
     parser.add_argument("--apply", action="store_true", help="combine the validated fixes (default: measure only)")
     parser.add_argument("--forward-only", action="store_true", help="time the forward alone, not a training step")
     parser.add_argument("--json", action="store_true", help="print the JSON report instead of text")
+    parser.add_argument(
+        "--plan",
+        default=None,
+        metavar="PATH",
+        help="with --apply: write the fixes kept to this JSON plan (apply_plan applies it again)",
+    )
     args = parser.parse_args(argv)
     try:
         shape = tuple(int(s) for s in args.input_shape.split(","))
@@ -89,6 +98,8 @@ def main(argv=None) -> int:
             raise ValueError
     except ValueError:
         parser.error(f"--input-shape must be positive integers separated by commas, got {args.input_shape!r}")
+    if args.plan and not args.apply:
+        parser.error("--plan writes what --apply decided: pass --apply too")
     try:
         factory = load_factory(args.model)
     except ValueError as exc:
@@ -114,6 +125,12 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_json(), indent=2, default=str) if args.json else result.report())
+    if args.plan:
+        from .plan import save_plan
+
+        saved = save_plan(result, args.plan)
+        print(f"plan written to {saved}: kernel_lib.assistant.apply_plan(model, inputs, {saved!r}) applies it",
+              file=sys.stderr if args.json else sys.stdout)  # fmt: skip
     return 0
 
 

@@ -369,3 +369,25 @@ def test_compare_alternates_until_the_interval_decides(candidate, decided, round
     comparison = measure.compare(base, cand)
     assert comparison.rounds == rounds
     assert {"faster": comparison.faster, "tie": comparison.tie}.get(decided, not (comparison.faster or comparison.tie))
+
+
+def test_a_plan_saved_after_apply_applies_again(monkeypatch, tmp_path):
+    from kernel_lib.assistant import apply_plan, load_plan, save_plan
+
+    assistant = CompilerOptimizationAssistant(progress=False)
+    monkeypatch.setattr(assistant, "_cost", _FakeCosts({"base": 10.0, "FusedGatedMLP": 0.5, "RMSNorm": 1.3}))
+    torch.manual_seed(0)
+    model, x = _Both(), torch.randn(4, 32)
+    result = assistant.optimize_model(model, (x,), techniques=["fused_norm", "fused_gated_mlp"])
+    path = save_plan(result, tmp_path / "plan.json")
+    plan = load_plan(path)
+    assert [f["technique"] for f in plan["fixes"]] == ["fused_gated_mlp"]  # the kept fix; fused_norm was slower
+    assert plan["fixes"][0]["ratio"] == pytest.approx(2.0) and plan["speedup"] == pytest.approx(2.0)
+
+    again = apply_plan(model, (x,), path)  # a rewritten copy, validated against the original
+    assert {type(m).__name__ for m in again.modules()} >= {"FusedGatedMLP", "ManualRMSNorm"}
+    torch.testing.assert_close(again(x), result.optimized_model(x))
+    with pytest.raises(ValueError, match="no such finding"):  # a model built differently
+        apply_plan(Wrap(ManualRMSNorm(32)), (torch.randn(4, 32),), path)
+    with pytest.raises(ValueError, match="not a kernel_lib.assistant plan"):
+        apply_plan(model, (x,), {"format": "something else"})

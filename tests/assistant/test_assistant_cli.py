@@ -54,6 +54,7 @@ def test_gpt2_from_a_config(tmp_path):
         (["just_a_name", "--input-shape", "2,4"], "path/to/file.py:function"),
         ([__file__ + ":missing", "--input-shape", "2,4"], "no function 'missing'"),
         ([__file__ + ":run", "--input-shape", "2,x"], "--input-shape"),
+        ([__file__ + ":run", "--input-shape", "2,4", "--plan", "p.json"], "pass --apply too"),  # nothing decided
     ],
 )
 def test_bad_arguments_exit_2(args, message):
