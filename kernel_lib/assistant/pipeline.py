@@ -42,7 +42,8 @@ def _worth_keeping(comparison: measure.Comparison, current_peak: float) -> bool:
     rounds repeat until the interval decides (``measure.compare``)."""
     if comparison.faster:
         return True
-    return not comparison.slower and comparison.candidate.peak_bytes < current_peak * (1 - LEANER)
+    # as fast within the noise, with confidence (a wide interval is no evidence of "not slower"), and leaner
+    return comparison.low > 1 / (1 + NOISE) and comparison.candidate.peak_bytes < current_peak * (1 - LEANER)
 
 
 def split_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -110,6 +111,14 @@ class _Context:
     findings: list[Finding] = field(default_factory=list)
 
 
+def _why(comparison: measure.Comparison, current_peak: float) -> str:
+    """Why a fix was kept, for the waterfall: faster, or leaner and as fast."""
+    if comparison.faster:
+        return f"faster: {comparison.describe()}"
+    saved = 1 - comparison.candidate.peak_bytes / current_peak
+    return f"{saved:.0%} less peak memory, as fast within the noise: {comparison.describe()}"
+
+
 def _reference_runs(step) -> list[str]:
     """The kernel_lib ops that ran their plain PyTorch reference instead of their kernel during ``step()``."""
     from ..ops import _utils
@@ -149,6 +158,7 @@ class CompilerOptimizationAssistant:
         self.validator = validator or ComponentValidator()
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
         self.compare_seconds = compare_seconds
+        self._comparing = False
         self.progress = progress
         _quiet()
 
@@ -249,14 +259,21 @@ class CompilerOptimizationAssistant:
         on_gpu = measure.device_of(model, args, kwargs).type == "cuda"
         warmup = self.warmup_ms if self.warmup_ms is not None else (100 if on_gpu else 5)
         rep = self.rep_ms if self.rep_ms is not None else (500 if on_gpu else 20)
+        if self._comparing:  # one of several alternating rounds: a quarter of the time each
+            warmup, rep = warmup / 4, rep / 4
         return measure.step_cost(model, args, kwargs, train=self.train, warmup_ms=warmup, rep_ms=rep)
 
     def _compare(self, current, candidate, args, kwargs) -> measure.Comparison:
-        """The step of ``candidate`` against ``current`` in alternating rounds (``measure.compare``)."""
-        return measure.compare(
-            lambda: self._cost(current, args, kwargs), lambda: self._cost(candidate, args, kwargs),
-            max_seconds=self.compare_seconds,
-        )  # fmt: skip
+        """The step of ``candidate`` against ``current`` in alternating rounds (``measure.compare``), each round a
+        quarter of a single measurement's timing."""
+        self._comparing = True
+        try:
+            return measure.compare(
+                lambda: self._cost(current, args, kwargs), lambda: self._cost(candidate, args, kwargs),
+                max_seconds=self.compare_seconds,
+            )  # fmt: skip
+        finally:
+            self._comparing = False
 
     def _validate(self, original, optimized, args, kwargs, loss_only: bool, autocast: bool) -> ValidationReport:
         base = rewrites.Autocast(original) if autocast else original
@@ -446,7 +463,7 @@ class CompilerOptimizationAssistant:
             candidate, report, comparison = tried
             cost = comparison.candidate
             keep = _worth_keeping(comparison, current_peak)
-            reason = "" if keep else f"{not_faster} ({comparison.describe()})"
+            reason = _why(comparison, current_peak) if keep else f"{not_faster} ({comparison.describe()})"
             steps.append(WaterfallStep(label, cost.ms, cost.peak_bytes, keep, reason))
             if keep:
                 kept.append(opp)
@@ -464,7 +481,7 @@ class CompilerOptimizationAssistant:
         best_wins = best is not None and _worth_keeping(best[1][2], current_peak)
         for opp, (_, _, comparison) in tries:
             win = opp is best[0] and best_wins
-            reason = "" if win else (
+            reason = _why(comparison, current_peak) if win else (
                 f"not faster on top of the others ({comparison.describe()})" if opp is best[0]
                 else f"another compile mode was faster ({best[1][2].describe()})"
             )  # fmt: skip

@@ -158,7 +158,8 @@ class OptimizationResult:
             width = max(28, *(len(s.technique) for s in self.waterfall))  # long names keep the columns aligned
             for s in self.waterfall:
                 ms = "failed" if math.isnan(s.step_ms) else f"{s.step_ms:.3f} ms"
-                lines.append(f"  {s.technique:<{width}} {ms:>12}  {'kept' if s.kept else 'dropped: ' + s.reason}")
+                verdict = ("kept: " if s.kept else "dropped: ") + s.reason if s.reason else "kept"
+                lines.append(f"  {s.technique:<{width}} {ms:>12}  {verdict}")
         lines += ["", self.verdict()]
         return "\n".join(lines)
 
