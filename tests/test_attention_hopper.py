@@ -164,7 +164,7 @@ def test_hopper_forward_packed_against_float64(lengths, Hq, Hkv, D, Dv, causal, 
     k = torch.randn(total, Hkv, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(total, Hkv, Dv, device="cuda", dtype=torch.bfloat16)
     out_buf = torch.empty(total, Hq, Dv, device="cuda", dtype=torch.bfloat16)
-    assert attention_module.uses_hopper_forward(q, k, v, out_buf, D**-0.5, packed=True)
+    assert attention_module.uses_hopper_forward(q, k, v, out_buf, D**-0.5)
     out, lse = attention_module.flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal,
                                                        window=window, return_lse=True)  # fmt: skip
     ref, ref_lse = attention_module.attention_varlen_ref(q.double(), k.double(), v.double(), cu, cu, causal, window,

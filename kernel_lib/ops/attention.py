@@ -30,7 +30,9 @@ Configs come from a heuristic per shape, and each must fit the GPU's shared memo
 then the compiled kernel's own count (Triton's ``metadata.shared``) has the last word, so a config the compiler
 makes larger than estimated moves to the next one instead of failing at launch.
 
-The Triton kernels live in the sibling ``attention_kernels.py``. Registered as the
+The Triton kernels live in the sibling ``attention_kernels.py``; on Hopper GPUs (SM90) the forward runs the Gluon
+kernel of ``attention_hopper.py`` instead where it applies (head dims up to 128, strides the TMA accepts; see
+``uses_hopper_forward``), and ``KERNEL_LIB_ATTENTION=portable`` keeps the Triton one. Registered as the
 ``kernel_lib::flash_attention_fwd`` / ``kernel_lib::flash_attention_bwd`` custom ops with fake implementations,
 which the one ``autograd.Function`` calls under torch.compile, so ``torch.compile(fullgraph=True)`` traces
 through it. Sources: Dao et al., FlashAttention (2022) and FlashAttention-2 (2023); Triton's
@@ -190,7 +192,7 @@ def _forward_launch(q, k, v, out, lse, causal, window, scale, cu_q=None, cu_k=No
 # --------------------------------------------------------------------------------------------------
 # Hopper forward path: the Gluon kernel of attention_hopper.py on SM90, where the tensors suit the TMA
 # --------------------------------------------------------------------------------------------------
-PATHS = ("auto", "portable", "hopper")  # KERNEL_LIB_ATTENTION: auto takes hopper wherever it applies
+PATHS = ("auto", "portable")  # KERNEL_LIB_ATTENTION: auto takes the Hopper kernel wherever it applies
 
 
 def _requested_path() -> str:
@@ -208,7 +210,7 @@ def _descriptor_ready(t: torch.Tensor) -> bool:
             and all(st * size % 16 == 0 for st in t.stride()[:-1]))  # fmt: skip
 
 
-def uses_hopper_forward(q, k, v, out, scale: float, packed: bool = False) -> bool:
+def uses_hopper_forward(q, k, v, out, scale: float) -> bool:
     """Whether the forward runs the Gluon kernel of ``attention_hopper.py``: an SM90 GPU, a Triton with Gluon's
     Hopper module, (B, H, N, D) or packed (tokens, H, D) tensors whose strides the TMA accepts, head dims up to
     128 and a positive scale. ``KERNEL_LIB_ATTENTION=portable`` keeps the portable kernel everywhere."""
@@ -271,7 +273,7 @@ def _forward(q, k, v, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_
     if out.numel() == 0 or N == 0 or B == 0:
         return out, lse.fill_(float("-inf"))
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-    if uses_hopper_forward(q, k, v, out, scale, packed):
+    if uses_hopper_forward(q, k, v, out, scale):
         _hopper_forward(q, k, v, out, lse, causal, window, scale, cu_q, cu_k, max_q, max_k)
         return out, lse
     grid, args, flags, config = _forward_launch(q, k, v, out, lse, causal, window, scale, cu_q, cu_k, max_q, max_k)

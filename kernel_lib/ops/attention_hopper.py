@@ -23,6 +23,8 @@ the tensors suit the TMA; the portable Triton kernel serves everything else, and
 Sources: Shah et al., FlashAttention-3 (2024); Triton's Gluon tutorials (05-wgmma, 08-warp-specialization).
 """
 
+import functools
+
 import torch
 import triton
 
@@ -289,17 +291,22 @@ def shared_bytes(D: int, Dv: int, block_n: int = 128, stages: int = 3) -> int:
     return 2 * (BLOCK_M * dqk + stages * block_n * (dqk + dv) + out) + 8 * (4 + 2 * stages)
 
 
+@functools.cache
+def _shared_layout(block: tuple, fp16: bool):
+    """The shared-memory layout (swizzle) of a tile, the same for every call with this block: built once."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float16 if fp16 else gl.bfloat16)
+
+
 def descriptors(q, k, v, out, block_n: int, packed: bool = False):
     """Gluon tensor descriptors over the four (B, H, N, D) tensors (any strides the TMA accepts) with this
     kernel's block shapes: BLOCK_M / 2 rows of q and out (one warpgroup's), block_n rows of k and v. Packed
     (tokens, H, D) tensors are viewed as (1, H, tokens, D)."""
-    element = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+    fp16 = q.dtype == torch.float16
 
     def make(t, rows):
         t = t.unsqueeze(0).transpose(1, 2) if packed else t
-        block = [1, 1, rows, padded(t.shape[-1])]
-        layout = gl.NVMMASharedLayout.get_default_for(block, element)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+        block = (1, 1, rows, padded(t.shape[-1]))
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, fp16))
 
     return make(q, BLOCK_M // 2), make(k, block_n), make(v, block_n), make(out, BLOCK_M // 2)
 
