@@ -5,11 +5,12 @@ A plan is a JSON file (``python -m kernel_lib.assistant ... --apply --plan plan.
     {"format": "kernel_lib.assistant plan", "version": 1, "model": "MistralForCausalLM",
      "environment": {...}, "speedup": 1.42,
      "fixes": [{"technique": "fused_norm", "kind": "manual_norm", "modules": ["model.layers.0.norm", ...],
-                "location": "...", "ratio": 1.21, "ratio_95ci": [1.18, 1.24]}, ...],
+                "location": "...", "ratio": 1.21, "ratio_95ci": [1.18, 1.24], "by_hand": "..."}, ...],
      "by_hand": [{"kind": "...", "location": "...", "fix": "..."}]}
 
-``fixes`` are the rewrites kept, in the order they were applied, with the modules each one changed and what it
-measured alone; ``by_hand`` the findings no rewrite covers. :func:`apply_plan` finds the same things again in a
+``fixes`` are the rewrites kept, in the order they were applied, with the modules each one changed, what it
+measured alone and the change it stands for in the model's source (a sentence, not a diff); ``by_hand`` the
+findings no rewrite covers. :func:`apply_plan` finds the same things again in a
 model built the same way (detection traces one forward, so it needs example inputs), applies the plan's fixes in
 its order, and refuses a model whose findings no longer match the plan's modules (a changed model). It checks the
 result against the original with the float64 validator unless ``validate=False``; it does not time anything.
@@ -37,6 +38,7 @@ def plan_of(result) -> dict:
             "technique": technique, "kind": opp.kind, "modules": list(opp.finding.modules), "location": opp.location,
             "ratio": opp.estimated_speedup,
             "ratio_95ci": None if comparison is None else [comparison.low, comparison.high],
+            "by_hand": opp.finding.fix,  # the change to make in the model's source instead of applying the plan
         })  # fmt: skip
     by_hand = [{"kind": o.kind, "location": o.location, "fix": o.finding.fix}
                for o in result.optimization_opportunities if not o.technique]  # fmt: skip

@@ -383,6 +383,7 @@ def test_a_plan_saved_after_apply_applies_again(monkeypatch, tmp_path):
     plan = load_plan(path)
     assert [f["technique"] for f in plan["fixes"]] == ["fused_gated_mlp"]  # the kept fix; fused_norm was slower
     assert plan["fixes"][0]["ratio"] == pytest.approx(2.0) and plan["speedup"] == pytest.approx(2.0)
+    assert plan["fixes"][0]["by_hand"]  # what to change in the source instead
 
     again = apply_plan(model, (x,), path)  # a rewritten copy, validated against the original
     assert {type(m).__name__ for m in again.modules()} >= {"FusedGatedMLP", "ManualRMSNorm"}
