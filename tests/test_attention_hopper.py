@@ -175,3 +175,27 @@ def test_hopper_forward_packed_against_float64(lengths, Hq, Hkv, D, Dv, causal, 
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen)
     torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=1e-4, rtol=1e-4)
+
+
+def test_a_kernel_that_does_not_build_falls_back_once(monkeypatch):
+    """Gluon is experimental: a Triton whose Gluon differs raises while building the kernel. The forward then warns
+    once and runs the portable kernel, here and on every later call."""
+    from kernel_lib.ops import _utils
+
+    monkeypatch.setattr(_utils, "_warned", set())  # a fresh process, as far as warn_once knows
+    monkeypatch.setattr(attention_module, "_hopper_failed", None)
+    monkeypatch.setattr(attention_module, "uses_hopper_forward", lambda *a: attention_module._hopper_failed is None)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise TypeError("warp_specialize() got an unexpected keyword argument")
+
+    monkeypatch.setattr(attention_module, "_hopper_forward", broken)
+    q, k, v = (torch.randn(1, 2, 40, 32, dtype=torch.float16) for _ in range(3))
+    with pytest.warns(UserWarning, match="did not build"):
+        out = flash_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out, attention_ref(q, k, v, causal=True), atol=2e-3, rtol=0)
+    assert "TypeError" in attention_module._hopper_failed
+    flash_attention(q, k, v)  # later calls go straight to the portable kernel
+    assert len(calls) == 1

@@ -58,6 +58,7 @@ from ._utils import (
     configs_that_fit,
     launch_or_op,
     use_triton,
+    warn_once,
 )
 from .attention_kernels import LOG2E, _attn_bwd_prep_kernel
 
@@ -193,6 +194,12 @@ def _forward_launch(q, k, v, out, lse, causal, window, scale, cu_q=None, cu_k=No
 # Hopper forward path: the Gluon kernel of attention_hopper.py on SM90, where the tensors suit the TMA
 # --------------------------------------------------------------------------------------------------
 PATHS = ("auto", "portable")  # KERNEL_LIB_ATTENTION: auto takes the Hopper kernel wherever it applies
+_hopper_failed: Optional[str] = None  # why the Gluon kernel could not be built with this Triton: portable since
+# What a Triton whose Gluon differs from the one attention_hopper.py was written for raises while building it
+_BUILD_ERRORS = tuple(
+    e for e in (getattr(getattr(triton, "compiler", None), "CompilationError", None), TypeError, AttributeError,
+                NotImplementedError) if isinstance(e, type)
+)  # fmt: skip
 
 
 def _requested_path() -> str:
@@ -214,13 +221,24 @@ def uses_hopper_forward(q, k, v, out, scale: float) -> bool:
     """Whether the forward runs the Gluon kernel of ``attention_hopper.py``: an SM90 GPU, a Triton with Gluon's
     Hopper module, (B, H, N, D) or packed (tokens, H, D) tensors whose strides the TMA accepts, head dims up to
     128 and a positive scale. ``KERNEL_LIB_ATTENTION=portable`` keeps the portable kernel everywhere."""
-    if _requested_path() == "portable" or not hopper.AVAILABLE or not scale > 0:
+    if _requested_path() == "portable" or not hopper.AVAILABLE or _hopper_failed is not None or not scale > 0:
         return False
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     if max(q.shape[-1], v.shape[-1]) > hopper.MAX_BLOCK_D:
         return False
     return all(_descriptor_ready(t) for t in (q, k, v, out))
+
+
+def _give_up_hopper(error: Exception) -> None:
+    """The Gluon kernel failed to build: say so once, and use the portable kernel from now on in this process."""
+    global _hopper_failed
+    _hopper_failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    warn_once(
+        "attention-hopper-failed",
+        f"kernel_lib.flash_attention: the Hopper (Gluon) forward did not build with triton {triton.__version__} "
+        f"({_hopper_failed[:300]}); the portable Triton kernel runs instead.",
+    )
 
 
 def _hopper_forward(q, k, v, out, lse, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_k=0) -> None:
@@ -274,8 +292,11 @@ def _forward(q, k, v, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_
         return out, lse.fill_(float("-inf"))
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     if uses_hopper_forward(q, k, v, out, scale):
-        _hopper_forward(q, k, v, out, lse, causal, window, scale, cu_q, cu_k, max_q, max_k)
-        return out, lse
+        try:
+            _hopper_forward(q, k, v, out, lse, causal, window, scale, cu_q, cu_k, max_q, max_k)
+            return out, lse
+        except _BUILD_ERRORS as error:  # Gluon is experimental: a Triton it does not build with runs the portable one
+            _give_up_hopper(error)
     grid, args, flags, config = _forward_launch(q, k, v, out, lse, causal, window, scale, cu_q, cu_k, max_q, max_k)
     if config is None:
         kernels._attn_fwd_tuned[grid](*args, **flags)

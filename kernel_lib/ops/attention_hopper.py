@@ -24,6 +24,7 @@ Sources: Shah et al., FlashAttention-3 (2024); Triton's Gluon tutorials (05-wgmm
 """
 
 import functools
+import inspect
 
 import torch
 import triton
@@ -40,7 +41,9 @@ try:  # Gluon and its Hopper module: Triton 3.5 and later (experimental; absent 
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    AVAILABLE = True
+    # Gluon is experimental: its warp_specialize took other arguments before Triton 3.6. This file is written
+    # for the (functions_and_args, worker_num_warps, worker_num_regs) form of 3.6 and 3.7.
+    AVAILABLE = list(inspect.signature(gl.warp_specialize).parameters)[:1] == ["functions_and_args"]
 except ImportError:  # an older Triton: the portable kernel serves every GPU
     AVAILABLE = False
 
@@ -316,8 +319,6 @@ def compile_for_sm90(D: int, Dv: int, dtype: torch.dtype = torch.bfloat16, causa
     """Compile the kernel for an SM90 target without a GPU (Triton bundles ptxas): what a CPU test checks (it
     builds with this Triton and fits the shared memory) and what a reader inspects (``.asm["ptx"]``,
     ``.metadata.shared``). Uses ``GluonASTSource``, a private name of Triton's; raises ImportError without it."""
-    import inspect
-
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
