@@ -2,8 +2,9 @@
 
 The algorithm is the forward of ``attention.py``: each program owns BLOCK_M = 128 queries of one head, streams the
 key/value blocks it sees, and keeps a running max m, sum l and unnormalized output O (online softmax, base 2).
-What changes is the schedule, which Triton's compiler does not produce on SM90 by itself (its
-``tl.range(warp_specialize=True)`` is ignored there in Triton 3.6: the PTX is identical with and without it):
+What changes is the schedule, which Triton's compiler did not produce on SM90 for this kernel (Triton 3.6's
+``tl.range(warp_specialize=True)`` left the PTX of a 128-query, 8-warp tile identical; its Hopper pass acts only
+at 4 warps, per its source, and the 4-warp tiles tried gave no faster kernel):
 
 * **Copies by the tensor memory accelerator (TMA)**, from a producer warp of its own: q once per warpgroup, then
   k and v blocks into a ring of STAGES shared-memory slots; each slot has a ``ready`` barrier (the copy landed)
