@@ -86,6 +86,13 @@ def main(argv=None) -> int:
     parser.add_argument("--forward-only", action="store_true", help="time the forward alone, not a training step")
     parser.add_argument("--json", action="store_true", help="print the JSON report instead of text")
     parser.add_argument(
+        "--compare-seconds",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how long one keep-or-drop comparison may alternate rounds (default 60; it always takes 3 rounds)",
+    )
+    parser.add_argument(
         "--plan",
         default=None,
         metavar="PATH",
@@ -118,7 +125,9 @@ def main(argv=None) -> int:
 
     from .pipeline import CompilerOptimizationAssistant
 
-    assistant = CompilerOptimizationAssistant(train=not args.forward_only, progress=not args.json)
+    assistant = CompilerOptimizationAssistant(
+        train=not args.forward_only, progress=not args.json, compare_seconds=args.compare_seconds
+    )
     try:
         result = assistant.optimize_model(model, inputs, apply=args.apply)
     except (TypeError, ValueError) as exc:
