@@ -281,9 +281,9 @@ def padded(D: int) -> int:
 
 
 def config(D: int, Dv: int) -> dict:
-    """Launch keywords: 128 keys a step in three ring slots (an H200 sweep, benchmarks/NOTES.md 2026-11-29: they
-    beat three, four or five slots of 64 keys at D = 64 and 128), and the registers of each consumer warpgroup
-    (the producer warp keeps 24)."""
+    """Launch keywords: 128 keys a step in three ring slots, and the registers of each consumer warpgroup (the
+    producer warp keeps 24). In an H200 sweep (benchmarks/NOTES.md, "Session of 2026-11-28 from 23:47 UTC") three
+    slots of 128 keys beat three, four or five slots of 64 keys at D = 64 and 128."""
     return dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=240, num_warps=4)
 
 
