@@ -305,33 +305,6 @@ def _forward(q, k, v, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_
     return out, lse
 
 
-try:  # host-side TMA descriptors (Triton 3.4 and later)
-    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
-except ImportError:
-    _TensorDescriptor = None
-
-DQ_MODES = ("kernel", "atomic", "descriptor")  # how the backward computes dq (DQ_ATOMIC 0, 1, 2)
-
-
-def dq_mode(q: torch.Tensor) -> str:
-    """How the backward computes dq. ``kernel``: a second kernel that recomputes the scores per query block
-    (seven matmuls in all, run to run identical); ``atomic``: the dK/dV kernel adds each key block's share of dq
-    into a float32 buffer with atomics (five matmuls); ``descriptor``: the same through the tensor memory
-    accelerator's reductions (SM90 and later, Triton 3.4 and later). ``kernel`` whenever PyTorch is asked for
-    deterministic algorithms (``torch.use_deterministic_algorithms(True)``), atomic adds being in no fixed order."""
-    if torch.are_deterministic_algorithms_enabled():
-        return "kernel"
-    if q.device.type == "cuda" and _TensorDescriptor is not None and torch.cuda.get_device_capability(q.device)[0] >= 9:
-        return "descriptor"
-    return "atomic"
-
-
-def dkdv_tma(q: torch.Tensor, packed: bool) -> bool:
-    """Whether the dK/dV kernel loads q and dout through TMA descriptors (SM90 and later, fixed length)."""
-    return False and (not packed and q.device.type == "cuda" and _TensorDescriptor is not None
-            and torch.cuda.get_device_capability(q.device)[0] >= 9)  # fmt: skip
-
-
 def _backward(do, q, k, v, out, lse, dlse, causal, window, scale, cu_q=None, cu_k=None, max_q=0, max_k=0):
     packed = cu_q is not None
     cu_k = cu_q if cu_k is None else cu_k
@@ -361,68 +334,39 @@ def _backward(do, q, k, v, out, lse, dlse, causal, window, scale, cu_q=None, cu_
     prep_flags = dict(D_V=Dv, BLOCK_DV=dims["BLOCK_DV"], HAS_DLSE=dlse is not None, VARLEN=packed, BLOCK_R=block_r)
     flags = dict(**dims, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu", VARLEN=packed)
     strides = sum((_bhn_strides(t, packed) for t in (q, k, v, do)), ())
-    mode = dq_mode(q)
-    if mode == "descriptor" and (_TensorDescriptor is None or D % 4):  # the TMA needs 16-byte rows
-        mode = "atomic"
-    flags["DQ_ATOMIC"] = DQ_MODES.index(mode)
-    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if mode != "kernel" else dq
-    width = dims["BLOCK_DQK"] + dims["BLOCK_DV"]
-    dkdv_candidates = configs_that_fit(
-        kernels.dkdv_preferred(N, width, causal, window), kernels._DKDV_CONFIGS[0], kernels._smem_bytes_dkdv,
-        {**dims, "q": q, "DQ_ATOMIC": flags["DQ_ATOMIC"]},
-    )  # fmt: skip
-    dq_desc = q_desc = do_desc = None
-    flags["TMA"] = dkdv_tma(q, packed) and all(_descriptor_ready(t) for t in (q, do))
-    if mode == "descriptor" or flags["TMA"]:  # a descriptor's block is fixed: every candidate keeps one BLOCK_M
-        dkdv_candidates = [c for c in dkdv_candidates if c["BLOCK_M"] == dkdv_candidates[0]["BLOCK_M"]]
-    block_m = dkdv_candidates[0]["BLOCK_M"]
-    if mode == "descriptor":
-        view = dq_acc.view(-1, Hq * D) if packed else dq_acc.view(-1, D)
-        dq_desc = _TensorDescriptor.from_tensor(view, [block_m, dims["BLOCK_DQK"]])
-    if flags["TMA"]:
-        q_desc = _TensorDescriptor.from_tensor(q, [1, 1, block_m, dims["BLOCK_DQK"]])
-        do_desc = _TensorDescriptor.from_tensor(do, [1, 1, block_m, dims["BLOCK_DV"]])
     dkdv_grid = lambda meta: (triton.cdiv(M, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
-    dkdv_args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, dq_desc, q_desc, do_desc, *offsets, *strides, *_bhn_strides(dk, packed),
-                 *_bhn_strides(dv, packed), *_bhn_strides(dq_acc, packed), *stat_strides, Hq, Hkv, N, M, Hq // Hkv,
-                 scale, window or 0)  # fmt: skip
+    dkdv_args = (q, k, v, do, lse2, delta, dk, dv, *offsets, *strides, *_bhn_strides(dk, packed),
+                 *_bhn_strides(dv, packed), *stat_strides, Hq, Hkv, N, M, Hq // Hkv, scale, window or 0)  # fmt: skip
     dq_grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * Hq)  # noqa: E731
     dq_args = (q, k, v, do, lse2, delta, dq, *offsets, *strides, *_bhn_strides(dq, packed), *stat_strides,
                Hq, N, M, Hq // Hkv, scale, window or 0)  # fmt: skip
-    dq_flags = {key: value for key, value in flags.items() if key not in ("DQ_ATOMIC", "TMA")}
-    if autotune_requested() and mode != "descriptor":
+    if autotune_requested():
         _attn_bwd_prep_kernel[prep_grid](*prep_args, **prep_flags)
         kernels._attn_bwd_dkdv_tuned[dkdv_grid](*dkdv_args, **flags)
-        if mode == "kernel":
-            kernels._attn_bwd_dq_tuned[dq_grid](*dq_args, **dq_flags)
-        return _finish_dq(dq, dq_acc, scale, mode), dk, dv
+        kernels._attn_bwd_dq_tuned[dq_grid](*dq_args, **flags)
+        return dq, dk, dv
+    width = dims["BLOCK_DQK"] + dims["BLOCK_DV"]
+    smem_args = {**dims, "q": q}
+    dkdv_candidates = configs_that_fit(
+        kernels.dkdv_preferred(N, width, causal, window), kernels._DKDV_CONFIGS[0], kernels._smem_bytes_dkdv, smem_args
+    )
     dq_candidates = configs_that_fit(
-        kernels.dq_preferred(width, causal), kernels._DQ_CONFIGS[0], kernels._smem_bytes_dq, {**dims, "q": q}
+        kernels.dq_preferred(width, causal), kernels._DQ_CONFIGS[0], kernels._smem_bytes_dq, smem_args
     )
     # The first backward at a new specialization compiles three kernels: side by side, not one after another;
     # each keeps the first candidate whose compiled shared memory fits the device.
     ints = _int_key(*strides, *stat_strides, Hq, Hkv, Hq // Hkv, N, M)
     key = (q.device, q.dtype, dlse is not None, *flags.values(), *(tuple(c.items()) for c in dkdv_candidates),
            *(tuple(c.items()) for c in dq_candidates), *ints)  # fmt: skip
-    launches = [
+    _, dkdv, dq_config = compile_fitting(key, [
         (_attn_bwd_prep_kernel, prep_grid, prep_args, prep_flags, [{}]),
         (kernels._attn_bwd_dkdv_kernel, dkdv_grid, dkdv_args, flags, dkdv_candidates),
-    ]  # fmt: skip
-    if mode == "kernel":
-        launches.append((kernels._attn_bwd_dq_kernel, dq_grid, dq_args, dq_flags, dq_candidates))
-    _, dkdv, *dq_config = compile_fitting(key, launches)
+        (kernels._attn_bwd_dq_kernel, dq_grid, dq_args, flags, dq_candidates),
+    ])  # fmt: skip
     _attn_bwd_prep_kernel[prep_grid](*prep_args, **prep_flags)
     kernels._attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **dkdv)
-    if mode == "kernel":
-        kernels._attn_bwd_dq_kernel[dq_grid](*dq_args, **dq_flags, **dq_config[0])
-    return _finish_dq(dq, dq_acc, scale, mode), dk, dv
-
-
-def _finish_dq(dq: torch.Tensor, dq_acc: torch.Tensor, scale: float, mode: str) -> torch.Tensor:
-    """dq from the float32 sum the atomic modes accumulated (dq / scale), in q's dtype and layout."""
-    if mode == "kernel":
-        return dq
-    return dq.copy_(dq_acc.mul_(scale))
+    kernels._attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **dq_config)
+    return dq, dk, dv
 
 
 # --------------------------------------------------------------------------------------------------

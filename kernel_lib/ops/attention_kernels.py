@@ -348,11 +348,7 @@ def dq_preferred(width: int, causal: bool) -> list:
 
 
 def _smem_bytes_dkdv(config, args) -> int:
-    tiles = _tiles_bytes(config, args, held="BLOCK_N", streamed="BLOCK_M")  # k, v held; q, dout streamed
-    # an atomic dq adds ds^T (2-byte) transposed through shared memory, and the descriptor stages dq (float32)
-    ds = 2 * config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] if args.get("DQ_ATOMIC", 0) else 0
-    staged = 4 * config.kwargs["BLOCK_M"] * args.get("BLOCK_DQK", 128) if args.get("DQ_ATOMIC", 0) == 2 else 0
-    return tiles + ds + staged
+    return _tiles_bytes(config, args, held="BLOCK_N", streamed="BLOCK_M")  # k, v held; q, dout streamed
 
 
 def _smem_bytes_dq(config, args) -> int:
@@ -401,14 +397,9 @@ def _dkdv_steps(
     offs_n, offs_dk, offs_dv, sqn, son,  # this program's key positions, the head dims, q's and dout's row strides
     q_start, q_end,  # query blocks [q_start, q_end), q_start a multiple of BLOCK_M
     N, M, qk_scale, WINDOW_SIZE,
-    dq_base, sdqn, dq_desc, dq_row, dq_col,  # dq's float32 accumulator: this head's row 0 and row stride, or
-    # its descriptor and this head's first row and column in it (DQ_ATOMIC)
-    q_desc, do_desc, b, h,  # 4-D descriptors of q and dout, and this head's batch and index in them (TMA)
     MASK: tl.constexpr,  # apply the causal/window mask (only blocks on its edge need it)
     WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,  # 0: dq left to its own kernel; 1: added here with atomics; 2: through the descriptor
-    TMA: tl.constexpr,  # load q and dout through their descriptors (no address registers)
 ):  # fmt: skip
     # Computed transposed, keys along rows (s^T = k q^T), so p^T and ds^T come out of their dots already in the
     # layout the next dots take (dv += p^T dout, dk += ds^T q): no transpose of a register tile.
@@ -416,12 +407,8 @@ def _dkdv_steps(
     for start_m in range(q_start, q_end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_valid = offs_m < N
-        if TMA:  # rows past N and columns past the head dims read as 0, as _load_tile's
-            q = q_desc.load([b, h, start_m, 0]).reshape([BLOCK_M, BLOCK_DQK])
-            do = do_desc.load([b, h, start_m, 0]).reshape([BLOCK_M, BLOCK_DV])
-        else:
-            q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
-            do = _load_tile(do_base, offs_m, son, N, offs_dv, D_V, BLOCK_DV)
+        q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
+        do = _load_tile(do_base, offs_m, son, N, offs_dv, D_V, BLOCK_DV)
         lse2 = tl.load(lse2_base + offs_m, mask=m_valid, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=m_valid, other=0.0)
         if DOT_FP32:
@@ -431,17 +418,8 @@ def _dkdv_steps(
         if MASK:
             p_t = tl.where(_sees(offs_n[:, None], offs_m[None, :], N, M, WINDOW, WINDOW_SIZE), p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do)
-        ds_t = (p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
-        dk += tl.dot(ds_t, q)
-        if DQ_ATOMIC != 0:
-            # This key block's share of dq, (BLOCK_M, BLOCK_DQK): rows past N and padded columns hold exact
-            # zeros (their q, dout and k load as 0), so adding them whole changes nothing.
-            dq = tl.dot(tl.trans(ds_t), k)
-            if DQ_ATOMIC == 2:
-                dq_desc.atomic_add([dq_row + start_m, dq_col], dq)
-            else:
-                dq_ptrs = dq_base + offs_m[:, None] * sdqn + offs_dk[None, :]
-                tl.atomic_add(dq_ptrs, dq, mask=m_valid[:, None] & (offs_dk < D_QK)[None, :], sem="relaxed")
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
     return dk, dv
 
 
@@ -450,9 +428,6 @@ def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # q (B, Hq, N, D_QK), k (B, Hkv, M, D_QK), v (B, Hkv, M, D_V), dout (out's layout)
     lse2_ptr, delta_ptr,  # float32 statistics from prep: base-2 log-sum-exp and rowsum(dout * out)
     dk_ptr, dv_ptr,  # outputs (B, Hkv, M, D_QK) and (B, Hkv, M, D_V), unit stride along the head dim
-    dq_ptr,  # DQ_ATOMIC 1: float32 accumulator of dq / scale, q's shape, contiguous, zeroed
-    dq_desc,  # DQ_ATOMIC 2: descriptor of that accumulator viewed 2-D: (B Hq N, D_QK), or (tokens, Hq D_QK) packed
-    q_desc, do_desc,  # TMA: descriptors of q and dout, blocks (1, 1, BLOCK_M, BLOCK_DQK / BLOCK_DV) (not packed)
     cu_q_ptr, cu_k_ptr,  # (B + 1,) int32 first row of each sequence in q and k (used when VARLEN)
     sqb, sqh, sqn,  # q strides (batch strides are 0 when packed)
     skb, skh, skn,  # k strides
@@ -460,7 +435,6 @@ def _attn_bwd_dkdv_kernel(
     sob, soh, son,  # dout strides
     sdkb, sdkh, sdkn,  # dk strides
     sdvb, sdvh, sdvn,  # dv strides
-    sdqb, sdqh, sdqn,  # strides of dq's accumulator
     ssb, ssh,  # strides of lse2 and delta: batch, head (unit along positions)
     Hq, Hkv, N, M, GROUP,  # heads, lengths (packed: the longest sequence's), query heads per key/value head
     scale,  # softmax scale
@@ -469,8 +443,6 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
     VARLEN: tl.constexpr,  # packed sequences
-    DQ_ATOMIC: tl.constexpr,  # 0: dq left to _attn_bwd_dq_kernel; 1: atomics into dq_ptr; 2: through dq_desc
-    TMA: tl.constexpr,  # q and dout through q_desc and do_desc
     BLOCK_M: tl.constexpr,  # queries per step
     BLOCK_N: tl.constexpr,  # keys per program
 ):  # fmt: skip
@@ -512,20 +484,17 @@ def _attn_bwd_dkdv_kernel(
         stats = _head_offset(b, h, q0, ssb, ssh, 1, VARLEN)
         lse2_base = lse2_ptr + stats
         delta_base = delta_ptr + stats
-        dq_base = _head_base(dq_ptr, b, h, q0, sdqb, sdqh, sdqn, VARLEN)
-        dq_row = q0 if VARLEN else (b * Hq + h) * N  # this head's first row and column in dq_desc's 2-D view
-        dq_col = h * D_QK if VARLEN else 0
         if CAUSAL:
             dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv,
-                                 sqn, son, q_lo, full_lo, N, M, qk_scale, WINDOW_SIZE, dq_base, sdqn, dq_desc, dq_row,
-                                 dq_col, q_desc, do_desc, b, h, True, WINDOW, DOT_FP32, BLOCK_M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DQ_ATOMIC, TMA)  # fmt: skip
+                                 sqn, son, q_lo, full_lo, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_M,
+                                 D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
         dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv,
-                             sqn, son, full_lo, full_hi, N, M, qk_scale, WINDOW_SIZE, dq_base, sdqn, dq_desc, dq_row,
-                             dq_col, q_desc, do_desc, b, h, False, WINDOW, DOT_FP32, BLOCK_M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DQ_ATOMIC, TMA)  # fmt: skip
+                             sqn, son, full_lo, full_hi, N, M, qk_scale, WINDOW_SIZE, False, WINDOW, DOT_FP32, BLOCK_M,
+                             D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
         if WINDOW:
             dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv,
-                                 sqn, son, full_hi, q_hi, N, M, qk_scale, WINDOW_SIZE, dq_base, sdqn, dq_desc, dq_row,
-                                 dq_col, q_desc, do_desc, b, h, True, WINDOW, DOT_FP32, BLOCK_M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DQ_ATOMIC, TMA)  # fmt: skip
+                                 sqn, son, full_hi, q_hi, N, M, qk_scale, WINDOW_SIZE, True, WINDOW, DOT_FP32, BLOCK_M,
+                                 D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
     dk_base = _head_base(dk_ptr, b, hk, k0, sdkb, sdkh, sdkn, VARLEN)
     dv_base = _head_base(dv_ptr, b, hk, k0, sdvb, sdvh, sdvn, VARLEN)
     _store_tile(dk_base, dk * scale, offs_n, sdkn, M, offs_dk, D_QK, BLOCK_DQK)
