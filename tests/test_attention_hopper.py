@@ -23,14 +23,17 @@ needs_gluon = pytest.mark.skipif(not hopper.AVAILABLE, reason="this Triton has n
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-COMPILED_CASES = [  # (D, Dv, causal, window, dtype, packed)
-    (128, 128, False, False, "bf16", False),  # q's tile stages the output (equal widths)
-    (128, 128, True, True, "bf16", False),  # masked blocks at both ends of the key range
-    (64, 64, True, False, "bf16", False),  # 64-wide tiles
-    (128, 64, True, False, "bf16", False),  # Dv != D: a separate output tile
-    (80, 80, False, False, "bf16", False),  # a padded head dim
-    (128, 128, True, False, "fp16", False),
-    (128, 128, True, True, "bf16", True),  # packed sequences: offsets read in the kernel, a masked store
+COMPILED_CASES = [  # (D, Dv, causal, window, dtype, packed, backward)
+    (128, 128, False, False, "bf16", False, False),  # q's tile stages the output (equal widths)
+    (128, 128, True, True, "bf16", False, False),  # masked blocks at both ends of the key range
+    (64, 64, True, False, "bf16", False, False),  # 64-wide tiles
+    (128, 64, True, False, "bf16", False, False),  # Dv != D: a separate output tile
+    (80, 80, False, False, "bf16", False, False),  # a padded head dim
+    (128, 128, True, False, "fp16", False, False),
+    (128, 128, True, True, "bf16", True, False),  # packed sequences: offsets read in the kernel, a masked store
+    (128, 128, False, False, "bf16", False, True),  # the backward: the widest tiles, closest to the limit
+    (128, 128, True, True, "fp16", False, True),  # masked query blocks at both ends
+    (80, 64, True, False, "bf16", False, True),  # padded head dims, Dv != D
 ]
 # Under the interpreter (these tests' CPU session) Gluon kernels cannot be compiled: a fresh process compiles them.
 _COMPILE = """
@@ -38,11 +41,12 @@ import json, sys, torch
 from kernel_lib.ops import attention_hopper as hopper
 out = []
 dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-for D, Dv, causal, window, dtype, packed in json.loads(sys.argv[1]):
-    kernel = hopper.compile_for_sm90(D, Dv, dtypes[dtype], causal, window, packed)
+for D, Dv, causal, window, dtype, packed, backward in json.loads(sys.argv[1]):
+    kernel = hopper.compile_for_sm90(D, Dv, dtypes[dtype], causal, window, packed, backward)
     ptx = kernel.asm["ptx"]
     out.append(dict(shared=kernel.metadata.shared, wgmma="wgmma.mma_async" in ptx,
-                    tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx))
+                    tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx,
+                    reduce="cp.reduce.async.bulk.tensor" in ptx))
 print(json.dumps(out))
 """
 
@@ -64,6 +68,7 @@ def test_kernel_compiles_for_sm90_and_fits_shared_memory(compiled_for_sm90, case
     assert compiled["wgmma"]  # Hopper's warpgroup MMA, not the older mma.sync
     assert compiled["tma"]  # copies by the tensor memory accelerator
     assert compiled["setmaxnreg"]  # the warp-specialized partitions rebalance registers
+    assert compiled["reduce"] == case[-1]  # the backward adds dq through the TMA's reduction, not atomics
 
 
 @pytest.mark.parametrize(
@@ -122,6 +127,58 @@ def test_hopper_forward_against_float64(B, Hq, Hkv, N, M, D, Dv, causal, window,
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen)  # -inf exactly where a query sees no key
     torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=1e-4, rtol=1e-4)
+
+
+def test_backward_path_choice_on_the_cpu(monkeypatch):
+    q = torch.randn(1, 2, 64, 128)
+    assert not attention_module.uses_hopper_backward(q, q, q, q, 0.1, packed=False)  # CPU tensors: portable
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, N, M, D, Dv, causal, window, dtype",
+    [
+        (2, 4, 2, 1000, 1000, 128, 128, True, None, torch.bfloat16),  # GQA, a ragged last query block
+        (1, 4, 1, 300, 700, 128, 128, True, None, torch.float16),  # MQA, M > N: bottom-right causal
+        (1, 2, 2, 700, 300, 128, 128, True, None, torch.bfloat16),  # N > M: queries that see no key
+        (2, 3, 3, 513, 513, 80, 80, False, None, torch.bfloat16),  # padded head dim, ragged key block
+        (1, 4, 4, 1024, 1024, 96, 96, True, 200, torch.bfloat16),  # window: masked query blocks at both ends
+        (1, 2, 1, 129, 1, 128, 128, False, None, torch.float16),  # one key
+        (1, 2, 2, 2048, 2048, 128, 64, True, 1000, torch.bfloat16),  # Dv != D, long window
+        (3, 2, 2, 1, 77, 72, 72, True, None, torch.bfloat16),  # one query
+        (1, 2, 2, 333, 333, 104, 128, False, None, torch.float16),  # Dv > D
+    ],
+)
+def test_hopper_backward_against_float64(B, Hq, Hkv, N, M, D, Dv, causal, window, dtype):
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, M, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, M, Dv, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(B, Hq, N, Dv, device="cuda", dtype=dtype)
+    assert attention_module.uses_hopper_backward(q, k, v, g, D**-0.5, packed=False)
+    got = torch.autograd.grad(flash_attention(q, k, v, causal=causal, window=window), (q, k, v), g)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(attention_ref(*inputs64, causal, window), inputs64, g.double())
+    own = torch.autograd.grad(attention_ref(q, k, v, causal, window), (q, k, v), g)  # PyTorch's own rounding
+    slack = 1e-3 if dtype == torch.float16 else 1e-2
+    for name, ours, theirs, exact in zip("dq dk dv".split(), got, own, ref, strict=True):
+        tol = 2 * (theirs.double() - exact).abs().max().item() + slack
+        assert (ours.double() - exact).abs().max().item() <= tol, name
+
+
+@pytest.mark.gpu
+@sm90
+def test_deterministic_algorithms_take_the_portable_backward():
+    q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    assert attention_module.uses_hopper_backward(q, q, q, q, 0.1, packed=False)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not attention_module.uses_hopper_backward(q, q, q, q, 0.1, packed=False)  # dq's adds: no order
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    small = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    assert not attention_module.uses_hopper_backward(small, small, small, small, 0.1, packed=False)  # D <= 64
 
 
 @pytest.mark.gpu
@@ -192,7 +249,8 @@ def test_a_kernel_that_does_not_build_falls_back_once(monkeypatch):
         raise TypeError("warp_specialize() got an unexpected keyword argument")
 
     monkeypatch.setattr(attention_module, "_hopper_forward", broken)
-    q, k, v = (torch.randn(1, 2, 40, 32, dtype=torch.float16) for _ in range(3))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton kernels run in this session
+    q, k, v = (torch.randn(1, 2, 40, 32, dtype=torch.float16, device=device) for _ in range(3))
     with pytest.warns(UserWarning, match="did not build"):
         out = flash_attention(q, k, v, causal=True)
     torch.testing.assert_close(out, attention_ref(q, k, v, causal=True), atol=2e-3, rtol=0)

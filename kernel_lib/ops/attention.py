@@ -32,7 +32,10 @@ makes larger than estimated moves to the next one instead of failing at launch.
 
 The Triton kernels live in the sibling ``attention_kernels.py``; on Hopper GPUs (SM90) the forward runs the Gluon
 kernel of ``attention_hopper.py`` instead where it applies (head dims up to 128, strides the TMA accepts; see
-``uses_hopper_forward``), and ``KERNEL_LIB_ATTENTION=portable`` keeps the Triton one. Registered as the
+``uses_hopper_forward``), and so does the backward for fixed-length tensors with q/k head dims of 65 to 128 (see
+``uses_hopper_backward``): one kernel that adds dq through the TMA's reductions, so not run to run identical,
+and left for the portable kernels under ``torch.use_deterministic_algorithms(True)``.
+``KERNEL_LIB_ATTENTION=portable`` keeps the Triton kernels everywhere. Registered as the
 ``kernel_lib::flash_attention_fwd`` / ``kernel_lib::flash_attention_bwd`` custom ops with fake implementations,
 which the one ``autograd.Function`` calls under torch.compile, so ``torch.compile(fullgraph=True)`` traces
 through it. Sources: Dao et al., FlashAttention (2022) and FlashAttention-2 (2023); Triton's
@@ -257,6 +260,40 @@ def _hopper_forward(q, k, v, out, lse, causal, window, scale, cu_q=None, cu_k=No
                                              Hq, N, M, Hq // Hkv, scale * LOG2E, window or 0, **flags)  # fmt: skip
 
 
+def uses_hopper_backward(q, k, v, do, scale: float, packed: bool) -> bool:
+    """Whether the backward runs the Gluon kernel of ``attention_hopper.py``: where the forward would (an SM90
+    GPU, Gluon, strides the TMA accepts, ``KERNEL_LIB_ATTENTION`` not ``portable``), for fixed-length tensors
+    whose q/k head dim pads to 128 (65 to 128; it splits dq's columns between its warpgroups) and a v head dim up
+    to 128, unless PyTorch is asked for deterministic algorithms (it adds dq with atomics, in no fixed order)."""
+    if packed or torch.are_deterministic_algorithms_enabled() or _hopper_bwd_failed is not None:
+        return False
+    if hopper.padded(q.shape[-1]) != 128:
+        return False
+    return hopper.BWD_AVAILABLE and uses_hopper_forward(q, k, v, do, scale)
+
+
+_hopper_bwd_failed: Optional[str] = None  # why the Gluon backward could not be built: portable since
+
+
+def _hopper_backward(do, q, k, v, lse2, delta, stat_strides, dq, dk, dv, causal, window, scale) -> None:
+    """Launch the Hopper backward (attention_hopper.py) into dq, dk and dv, from the prep kernel's statistics."""
+    B, Hq, N, D = q.shape
+    Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    block_m, block_n = hopper.BWD_BLOCK_M, hopper.BWD_BLOCK_N
+    dq_acc = torch.zeros(B, Hq, N, 128, device=q.device, dtype=torch.float32)  # 128 wide: 16-byte rows, any D
+    flags = dict(CAUSAL=causal, WINDOW=window is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=128,
+                 BLOCK_DV=hopper.padded(Dv), ds_layout=hopper.ds_layout(q.dtype == torch.float16),
+                 **hopper.bwd_config(D, Dv))  # fmt: skip
+    grid = (triton.cdiv(M, block_n), B * Hkv)
+    with torch.cuda.device(q.device):
+        hopper._attn_bwd_hopper_kernel[grid](
+            *hopper.backward_descriptors(q, k, v, do, dq_acc), lse2, delta, *stat_strides, dk, *dk.stride()[:3], dv,
+            *dv.stride()[:3], Hkv, N, M, Hq // Hkv, scale * LOG2E,
+            scale, window or 0, D, Dv, **flags,
+        )  # fmt: skip
+    dq.copy_(dq_acc[:, :, :N, :D])
+
+
 def forward_config(q, k, v, causal: bool = False, window: Optional[int] = None) -> dict:
     """The kernel ("path": "portable" or "hopper"), tiles, warps and pipeline stages the forward launches with for
     these (B, H, N, D) inputs on their device (the smallest tiles when interpreted), as the launcher picks them.
@@ -334,6 +371,17 @@ def _backward(do, q, k, v, out, lse, dlse, causal, window, scale, cu_q=None, cu_
     prep_flags = dict(D_V=Dv, BLOCK_DV=dims["BLOCK_DV"], HAS_DLSE=dlse is not None, VARLEN=packed, BLOCK_R=block_r)
     flags = dict(**dims, CAUSAL=causal, WINDOW=window is not None, DOT_FP32=q.device.type == "cpu", VARLEN=packed)
     strides = sum((_bhn_strides(t, packed) for t in (q, k, v, do)), ())
+    if uses_hopper_backward(q, k, v, do, scale, packed):
+        try:
+            _attn_bwd_prep_kernel[prep_grid](*prep_args, **prep_flags)
+            _hopper_backward(do, q, k, v, lse2, delta, stat_strides, dq, dk, dv, causal, window, scale)
+            return dq, dk, dv
+        except _BUILD_ERRORS as error:  # a Triton whose Gluon this file does not fit: portable from now on
+            global _hopper_bwd_failed
+            _hopper_bwd_failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            warn_once("attention-hopper-bwd-failed", f"kernel_lib.flash_attention: the Hopper (Gluon) backward "
+                      f"did not build with triton {triton.__version__} ({_hopper_bwd_failed[:300]}); the portable "
+                      "Triton kernels run instead.")  # fmt: skip
     dkdv_grid = lambda meta: (triton.cdiv(M, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
     dkdv_args = (q, k, v, do, lse2, delta, dk, dv, *offsets, *strides, *_bhn_strides(dk, packed),
                  *_bhn_strides(dv, packed), *stat_strides, Hq, Hkv, N, M, Hq // Hkv, scale, window or 0)  # fmt: skip

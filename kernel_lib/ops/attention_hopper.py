@@ -20,7 +20,19 @@ at 4 warps, per its source, and the 4-warp tiles tried gave no faster kernel):
 Data per program: q (128 x D) read once, each visible k and v block read once, O (128 x Dv) and lse written once.
 Scores are masked only in key blocks on the edge of the causal or window mask or past M (a uniform branch per
 block). ``attention.py`` runs it on SM90 when Gluon's Hopper module is present, the head dims are at most 128 and
-the tensors suit the TMA; the portable Triton kernel serves everything else, and the backward.
+the tensors suit the TMA; the portable Triton kernel serves everything else.
+
+**The backward** (``_attn_bwd_hopper_kernel``) takes FlashAttention-3's shape: a program owns BWD_BLOCK_N = 128
+keys of a key/value head (64 per consumer warpgroup) and streams BWD_BLOCK_M = 64 queries at a time of every query
+head of its group, q and dout copied by a producer warp into a ring of slots. Per step each warpgroup computes
+S^T = k q^T and dP^T = v dout^T, then P^T = 2^(S^T - lse2) and dS^T = P^T (dP^T - delta) in registers, adds
+dV += P^T dout and dK += dS^T q (accumulators in registers for the whole program), and writes dS^T to shared
+memory. Once both halves are there, warpgroup w multiplies dS (BLOCK_M x 128 keys) by its half of k's columns and
+adds that (64 x 64) share of dq into a float32 buffer through the TMA's reduction (cp.reduce.async.bulk.tensor):
+five matmuls a step, against seven for the portable kernels, which recompute the scores in a second kernel for
+dq. Adds in no fixed order: dq is not run to run identical (``attention.py`` keeps the portable kernels when
+deterministic algorithms are asked for). Served: fixed-length tensors, q/k head dims of 65 to 128 (dq's columns
+split at 64), v head dims up to 128.
 Sources: Shah et al., FlashAttention-3 (2024); Triton's Gluon tutorials (05-wgmma, 08-warp-specialization).
 """
 
@@ -48,11 +60,22 @@ try:  # Gluon and its Hopper module: Triton 3.5 and later (experimental; absent 
 except ImportError:  # an older Triton: the portable kernel serves every GPU
     AVAILABLE = False
 
+try:  # the backward adds dq through the TMA's reduction, an op Gluon 3.6 and 3.7 build but do not name
+    from triton._C.libtriton import gluon_ir as _gluon_ir
+    from triton._C.libtriton import ir as _triton_ir
+    from triton.experimental.gluon.language._core import builtin as _gluon_builtin
+
+    BWD_AVAILABLE = AVAILABLE and hasattr(_gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
+except ImportError:  # the portable backward serves
+    BWD_AVAILABLE = False
+
 BLOCK_M = 128  # queries per program: two warpgroups of 64 rows
 MAX_BLOCK_D = 128  # widest padded head dim served here (q and k, v apart)
 SHARED_LIMIT = 232_448  # bytes of shared memory a block may use on SM90 (227 KiB)
 
 if AVAILABLE:
+    # the warps of one partition wait for each other: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7
+    _sync_warps = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, start_n, offs_m, N, M, qk_scale, WINDOW_SIZE, lo_full, hi_full,
@@ -275,6 +298,217 @@ if AVAILABLE:
             mbarrier.invalidate(kv_free.index(i))
 
 
+if BWD_AVAILABLE:
+
+    @_gluon_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """Add a shared-memory tile into global memory at coord through the TMA (cp.reduce.async.bulk.tensor),
+        as Triton's own descriptor ``atomic_add`` does; Gluon 3.6/3.7 build the op but do not name it (private)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        kind = _triton_ir.DESCRIPTOR_REDUCE_KIND.ADD
+        _semantic.builder.create_async_tma_reduce(kind, tensor_desc.handle, coord, src.handle)
+
+    # ----------------------------------------------------------------------------------------------
+    # Backward: one program per block of BLOCK_N keys of a key/value head, streaming the query blocks
+    # ----------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _bwd_producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready, ready, free,
+                      b, hk, start_n, q_lo, n_mblocks, n_steps, GROUP, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr):  # fmt: skip
+        """k and v of this key block once, then q and dout of every query block of every query head that reads
+        this key/value head, in the consumers' order, each pair into the next ring slot once both freed it."""
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], kv_ready, v_smem)
+        for i in range(n_steps):
+            h = hk * GROUP + i // n_mblocks
+            row = q_lo + (i % n_mblocks) * BLOCK_M
+            slot = i % STAGES
+            if i >= STAGES:
+                mbarrier.wait(free.index(slot), ((i // STAGES) - 1) & 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], bar, q_smem.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], bar, do_smem.index(slot))
+
+    @gluon.jit
+    def _bwd_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_ready, ready, free, ds_ready,
+                      lse2_ptr, delta_ptr, ssb, ssh, dk_ptr, sdkb, sdkh, sdkn, dv_ptr, sdvb, sdvh, sdvn,
+                      b, hk, start_n, q_lo, full_lo, full_hi, n_mblocks, n_steps, GROUP,
+                      N, M, qk_scale, scale, WINDOW_SIZE, D_QK, D_V, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                      WINDOW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """One warpgroup's BLOCK_N / 2 keys (WG 0 or 1). Per query block, transposed so that the keys run
+        along the rows: S^T = k q^T and dP^T = v dout^T, P^T = 2^(S^T - lse2), dS^T = P^T (dP^T - delta);
+        dV += P^T dout and dK += dS^T q stay in registers; dS^T goes to shared memory, where, once both
+        warpgroups have written theirs, this warpgroup multiplies dS with its half of k's columns and adds the
+        (BLOCK_M, BLOCK_DQK / 2) result into dq's float32 accumulator with atomics."""
+        HALF_N: gl.constexpr = BLOCK_N // 2
+        HALF_DQK: gl.constexpr = BLOCK_DQK // 2
+        dtype: gl.constexpr = q_smem.dtype
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_DQK, 16])  # fmt: skip
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_DV, 16])  # fmt: skip
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HALF_DQK, 16])  # fmt: skip
+        pv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        dsq_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+        cols_st: gl.constexpr = gl.SliceLayout(0, st_layout)
+        offs_n = start_n + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout))
+        dk = gl.zeros([HALF_N, BLOCK_DQK], gl.float32, layout=dk_layout)
+        dv = gl.zeros([HALF_N, BLOCK_DV], gl.float32, layout=dv_layout)
+        st_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=st_layout)
+        dq_zero = gl.zeros([BLOCK_M, HALF_DQK], gl.float32, layout=dq_layout)
+        mbarrier.wait(kv_ready, 0)
+        k_all = k_smem.reshape([BLOCK_N, BLOCK_DQK])
+        k_mine = k_all.slice(WG * HALF_N, HALF_N, dim=0)
+        v_mine = v_smem.reshape([BLOCK_N, BLOCK_DV]).slice(WG * HALF_N, HALF_N, dim=0)
+        k_cols = k_all.slice(WG * HALF_DQK, HALF_DQK, dim=1)
+        for i in range(n_steps):
+            h = hk * GROUP + i // n_mblocks
+            start_m = q_lo + (i % n_mblocks) * BLOCK_M
+            slot = i % STAGES
+            q = q_smem.index(slot).reshape([BLOCK_M, BLOCK_DQK])
+            do = do_smem.index(slot).reshape([BLOCK_M, BLOCK_DV])
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=cols_st)
+            stats = b.to(gl.int64) * ssb + h.to(gl.int64) * ssh + offs_m
+            lse2 = gl.load(lse2_ptr + stats, mask=offs_m < N, other=float("inf"))  # rows past N: P = 0
+            delta = gl.load(delta_ptr + stats, mask=offs_m < N, other=0.0)
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            s_tok = warpgroup_mma(k_mine, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(v_mine, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            p = gl.exp2(s * qk_scale - lse2[None, :])
+            if (start_m < full_lo) or (start_m + BLOCK_M > full_hi):  # on the mask's edge, or past N
+                pos = offs_m[None, :] + (M - N)
+                visible = offs_n[:, None] <= pos if CAUSAL else offs_n[:, None] >= 0
+                if WINDOW:
+                    visible = visible & (offs_n[:, None] > pos - WINDOW_SIZE)
+                p = gl.where(visible, p, 0.0)
+            dp = warpgroup_mma_wait(0, deps=[dp_tok])
+            ds = (p * (dp - delta[None, :])).to(dtype)
+            dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), pv_op), do, dv, is_async=True)
+            dk_tok = warpgroup_mma(gl.convert_layout(ds, dsq_op), q, dk, is_async=True)
+            ds_buf = ds_smem.index(i % 2)
+            ds_buf.slice(WG * HALF_N, HALF_N, dim=0).store(ds)
+            fence_async_shared()
+            _sync_warps()
+            mbarrier.arrive(ds_ready.index(i % 2), count=1)
+            mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)  # both halves of dS^T written
+            dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])  # their register operands die here
+            mbarrier.arrive(free.index(slot), count=1)
+            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+            # dq += this key block's share, through the TMA's reduction: float atomics from registers took
+            # the backward from 700 to 408 TFLOP/s on the H200 (NOTES), the TMA's to 472
+            tma.store_wait(pendings=0)  # this warpgroup's previous reduction has read its tile
+            dq_tile = dq_smem.index(WG)
+            dq_tile.reshape([BLOCK_M, HALF_DQK]).store(dq * scale)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [b, h, start_m, WG * HALF_DQK], dq_tile)
+        tma.store_wait(pendings=0)
+        rows_k = start_n + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout))
+        cols_k = gl.arange(0, BLOCK_DQK, layout=gl.SliceLayout(0, dk_layout))
+        dk_base = dk_ptr + b.to(gl.int64) * sdkb + hk.to(gl.int64) * sdkh
+        gl.store(dk_base + rows_k[:, None].to(gl.int64) * sdkn + cols_k[None, :], (dk * scale).to(dtype),
+                 mask=(rows_k[:, None] < M) & (cols_k[None, :] < D_QK))  # fmt: skip
+        rows_v = start_n + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout))
+        cols_v = gl.arange(0, BLOCK_DV, layout=gl.SliceLayout(0, dv_layout))
+        dv_base = dv_ptr + b.to(gl.int64) * sdvb + hk.to(gl.int64) * sdvh
+        gl.store(dv_base + rows_v[:, None].to(gl.int64) * sdvn + cols_v[None, :], dv.to(dtype),
+                 mask=(rows_v[:, None] < M) & (cols_v[None, :] < D_V))  # fmt: skip
+
+    @gluon.jit
+    def _attn_bwd_hopper_kernel(
+        q_desc, do_desc,  # descriptors of q (B, Hq, N, D_QK) and dout (B, Hq, N, D_V), blocks (1, 1, BLOCK_M, *)
+        dq_desc,  # descriptor of dq's float32 accumulator, zeroed, (B, Hq, N, BLOCK_DQK), blocks (1, 1, BLOCK_M,
+        # BLOCK_DQK / 2): each warpgroup adds its half of the columns (rows past N fall outside, dropped)
+        k_desc, v_desc,  # descriptors of k (B, Hkv, M, D_QK) and v (B, Hkv, M, D_V), blocks (1, 1, BLOCK_N, *)
+        lse2_ptr, delta_ptr, ssb, ssh,  # float32 statistics of the prep kernel (base-2 lse, rowsum(dout out)),
+        # and their batch and head strides (unit along positions)
+        dk_ptr, sdkb, sdkh, sdkn,  # output dk, k's shape, and its strides (unit along the head dim)
+        dv_ptr, sdvb, sdvh, sdvn,  # output dv likewise
+        Hkv, N, M, GROUP,  # key/value heads, query and key lengths, query heads per key/value head
+        qk_scale, scale,  # scale * log2(e) (scores in base 2) and the softmax scale
+        WINDOW_SIZE,  # window length W (used when WINDOW)
+        D_QK, D_V,  # head dims (the stores' columns)
+        CAUSAL: gl.constexpr, WINDOW: gl.constexpr,  # bottom-right causal mask; sliding window on top of it
+        BLOCK_M: gl.constexpr,  # queries per step
+        BLOCK_N: gl.constexpr,  # keys per program, half per consumer warpgroup
+        BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,  # padded head dims (the descriptors' block widths)
+        STAGES: gl.constexpr,  # q/dout ring slots
+        ds_layout: gl.constexpr,  # shared layout of the (BLOCK_N, BLOCK_M) dS^T tile
+        CONSUMER_REGS: gl.constexpr,  # registers per thread of the second consumer warpgroup
+        num_warps: gl.constexpr,  # 4: the first consumer warpgroup (the default partition)
+    ):  # fmt: skip
+        dtype: gl.constexpr = q_desc.dtype
+        start_n = gl.program_id(0) * BLOCK_N
+        b = gl.program_id(1) // Hkv
+        hk = gl.program_id(1) % Hkv
+        # Query blocks this key block meets (bottom-right alignment, offset M - N), [q_lo, q_hi), and those
+        # that see all of it, [full_lo, full_hi): the others are masked.
+        q_lo = 0
+        q_hi = N
+        full_lo = 0
+        full_hi = (N // BLOCK_M) * BLOCK_M
+        if CAUSAL:
+            q_lo = (gl.maximum(0, start_n - (M - N)) // BLOCK_M) * BLOCK_M
+            last_key = gl.maximum(0, start_n + BLOCK_N - 1 - (M - N))
+            full_lo = gl.minimum(gl.maximum(gl.cdiv(last_key, BLOCK_M) * BLOCK_M, q_lo), N)
+        if WINDOW:
+            q_hi = gl.minimum(N, gl.maximum(0, start_n + BLOCK_N - 1 - (M - N) + WINDOW_SIZE))
+            full_hi = gl.minimum(full_hi, (gl.maximum(0, start_n - (M - N) + WINDOW_SIZE) // BLOCK_M) * BLOCK_M)
+        n_mblocks = gl.cdiv(gl.maximum(q_hi - q_lo, 0), BLOCK_M)
+        n_steps = GROUP * n_mblocks
+
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_DQK], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_DV], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, BLOCK_DQK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, BLOCK_DQK // 2], dq_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=2)  # both warpgroups release a query block
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups wrote their half of dS^T
+
+        gl.warp_specialize(
+            [
+                (_bwd_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_ready, ready, free,
+                                 ds_ready,
+                                 lse2_ptr, delta_ptr, ssb, ssh, dk_ptr, sdkb, sdkh, sdkn, dv_ptr, sdvb, sdvh, sdvn,
+                                 b, hk, start_n, q_lo, full_lo, full_hi, n_mblocks,
+                                 n_steps, GROUP, N, M, qk_scale, scale, WINDOW_SIZE, D_QK, D_V, 0, CAUSAL, WINDOW,
+                                 BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, STAGES)),
+                (_bwd_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_ready, ready, free,
+                                 ds_ready,
+                                 lse2_ptr, delta_ptr, ssb, ssh, dk_ptr, sdkb, sdkh, sdkn, dv_ptr, sdvb, sdvh, sdvn,
+                                 b, hk, start_n, q_lo, full_lo, full_hi, n_mblocks,
+                                 n_steps, GROUP, N, M, qk_scale, scale, WINDOW_SIZE, D_QK, D_V, 1, CAUSAL, WINDOW,
+                                 BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, STAGES)),
+                (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready, ready,
+                                 free, b, hk, start_n, q_lo, n_mblocks, n_steps, GROUP, BLOCK_M, STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
+        mbarrier.invalidate(kv_ready)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(free.index(i))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(ds_ready.index(i))
+
+
 def padded(D: int) -> int:
     """Tile width for a head dim here: 64 or 128."""
     return 64 if D <= 64 else 128
@@ -285,6 +519,37 @@ def config(D: int, Dv: int) -> dict:
     producer warp keeps 24). In an H200 sweep (benchmarks/NOTES.md, "Session of 2026-11-28 from 23:47 UTC") three
     slots of 128 keys beat three, four or five slots of 64 keys at D = 64 and 128."""
     return dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=240, num_warps=4)
+
+
+BWD_BLOCK_M = 64  # queries per backward step
+BWD_BLOCK_N = 128  # keys per backward program: two warpgroups of 64
+
+
+def bwd_config(D: int, Dv: int) -> dict:
+    """Launch keywords of the backward: two ring slots of q and dout, 240 registers per consumer warpgroup."""
+    return dict(STAGES=2, CONSUMER_REGS=240, num_warps=4)
+
+
+def backward_descriptors(q, k, v, do, dq_acc):
+    """Gluon tensor descriptors over q, k, v and dout (B, H, N, D) and dq's float32 accumulator: BWD_BLOCK_M rows
+    of q and dout, BWD_BLOCK_N rows of k and v, BWD_BLOCK_M rows and half the columns of the accumulator."""
+    fp16 = q.dtype == torch.float16
+
+    def make(t, rows, width=None):
+        block = (1, 1, rows, width or padded(t.shape[-1]))
+        if t.dtype == torch.float32:
+            layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
+        else:
+            layout = _shared_layout(block, fp16)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
+
+    return (make(q, BWD_BLOCK_M), make(do, BWD_BLOCK_M), make(dq_acc, BWD_BLOCK_M, dq_acc.shape[-1] // 2),
+            make(k, BWD_BLOCK_N), make(v, BWD_BLOCK_N))  # fmt: skip
+
+
+def ds_layout(fp16: bool):
+    """Shared layout of the backward's (BWD_BLOCK_N, BWD_BLOCK_M) dS^T tile."""
+    return _shared_layout((BWD_BLOCK_N, BWD_BLOCK_M), fp16)
 
 
 def shared_bytes(D: int, Dv: int, block_n: int = 128, stages: int = 3) -> int:
@@ -316,35 +581,42 @@ def descriptors(q, k, v, out, block_n: int, packed: bool = False):
 
 
 def compile_for_sm90(D: int, Dv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                     window: bool = False, varlen: bool = False):  # fmt: skip
-    """Compile the kernel for an SM90 target without a GPU (Triton bundles ptxas): what a CPU test checks (it
-    builds with this Triton and fits the shared memory) and what a reader inspects (``.asm["ptx"]``,
-    ``.metadata.shared``). Uses ``GluonASTSource``, a private name of Triton's; raises ImportError without it."""
+                     window: bool = False, varlen: bool = False, backward: bool = False):  # fmt: skip
+    """Compile the forward kernel (or the backward's) for an SM90 target without a GPU (Triton bundles ptxas):
+    what a CPU test checks (it builds with this Triton and fits the shared memory) and what a reader inspects
+    (``.asm["ptx"]``, ``.metadata.shared``). Uses ``GluonASTSource``, a private name of Triton's; raises
+    ImportError without it."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     element, name = (gl.float16, "fp16") if dtype == torch.float16 else (gl.bfloat16, "bf16")
-    flags = dict(
-        CAUSAL=causal,
-        WINDOW=window,
-        VARLEN=varlen,
-        BLOCK_M=BLOCK_M,
-        BLOCK_DQK=padded(D),
-        BLOCK_DV=padded(Dv),
-        **config(D, Dv),
-    )
-    rows = dict(q_desc=BLOCK_M // 2, o_desc=BLOCK_M // 2, k_desc=flags["BLOCK_N"], v_desc=flags["BLOCK_N"])
-    widths = dict(q_desc=padded(D), k_desc=padded(D), v_desc=padded(Dv), o_desc=padded(Dv))
+    flags = dict(CAUSAL=causal, WINDOW=window, BLOCK_DQK=padded(D), BLOCK_DV=padded(Dv))
+    if backward:
+        kernel = _attn_bwd_hopper_kernel
+        flags.update(BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, ds_layout=ds_layout(dtype == torch.float16),
+                     **bwd_config(D, Dv))  # fmt: skip
+        rows = dict(q_desc=BWD_BLOCK_M, do_desc=BWD_BLOCK_M, dq_desc=BWD_BLOCK_M, k_desc=BWD_BLOCK_N,
+                    v_desc=BWD_BLOCK_N)  # fmt: skip
+        widths = dict(q_desc=padded(D), do_desc=padded(Dv), dq_desc=64, k_desc=padded(D), v_desc=padded(Dv))
+        pointers = {"lse2_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{name}", "dv_ptr": f"*{name}",
+                    "qk_scale": "fp32", "scale": "fp32"}  # fmt: skip
+    else:
+        kernel = _attn_fwd_hopper_kernel
+        flags.update(VARLEN=varlen, BLOCK_M=BLOCK_M, **config(D, Dv))
+        rows = dict(q_desc=BLOCK_M // 2, o_desc=BLOCK_M // 2, k_desc=flags["BLOCK_N"], v_desc=flags["BLOCK_N"])
+        widths = dict(q_desc=padded(D), k_desc=padded(D), v_desc=padded(Dv), o_desc=padded(Dv))
+        pointers = {"lse_ptr": "*fp32", "out_ptr": f"*{name}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
+                    "qk_scale": "fp32"}  # fmt: skip
     signature = {}
-    for arg in inspect.signature(_attn_fwd_hopper_kernel.fn).parameters:
+    for arg in inspect.signature(kernel.fn).parameters:
         if arg in flags:
             signature[arg] = "constexpr"
         elif arg in rows:
             block = [1, 1, rows[arg], widths[arg]]
-            layout = gl.NVMMASharedLayout.get_default_for(block, element)
-            signature[arg] = f"tensordesc<{name}[{', '.join(map(str, block))}],{layout!r}>"
+            element_of, name_of = (gl.float32, "fp32") if arg == "dq_desc" else (element, name)
+            layout = gl.NVMMASharedLayout.get_default_for(block, element_of)
+            signature[arg] = f"tensordesc<{name_of}[{', '.join(map(str, block))}],{layout!r}>"
         else:
-            pointers = {"lse_ptr": "*fp32", "out_ptr": f"*{name}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
-            signature[arg] = {**pointers, "qk_scale": "fp32"}.get(arg, "i32")
-    source = GluonASTSource(_attn_fwd_hopper_kernel, signature=signature, constexprs=flags)
+            signature[arg] = pointers.get(arg, "i32")
+    source = GluonASTSource(kernel, signature=signature, constexprs=flags)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=flags["num_warps"]))
