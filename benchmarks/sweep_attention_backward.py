@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from sweep_attention_hopper import portable  # run fn with KERNEL_LIB_ATTENTION=portable (this folder's script)
 
 from kernel_lib import attention_ref, bench, flash_attention
 from kernel_lib.ops import attention as attention_module
@@ -36,19 +37,6 @@ CHECKS = [
     72, True, None, torch.bfloat16), (1, 2, 2, 333, 333, 100, 128, False, None, torch.float16), (2, 2, 2, 4096,
     4096, 128, 128, False, None, torch.bfloat16), (1, 2, 2, 1023, 1024, 64, 64, True, None, torch.float16),
 ]  # fmt: skip
-
-
-def portable(fn):
-    """Run fn with the portable kernels forced (KERNEL_LIB_ATTENTION=portable)."""
-    previous = os.environ.get("KERNEL_LIB_ATTENTION")
-    os.environ["KERNEL_LIB_ATTENTION"] = "portable"
-    try:
-        return fn()
-    finally:
-        if previous is None:
-            del os.environ["KERNEL_LIB_ATTENTION"]
-        else:
-            os.environ["KERNEL_LIB_ATTENTION"] = previous
 
 
 def grads(fn, inputs, g):
