@@ -13,8 +13,9 @@ FEATURES = [50, 20, 10, 8, 6, 5]  # six categorical features: 15 pairwise intera
 MODULE_FIXES = ["fused_norm", "fused_gated_mlp", "flash_attention", "grouped_moe", "fused_linear_cross_entropy"]
 
 
-# Meant to send the tests that share naive_result to one xdist worker; in CI both workers still built it
-# (148 s each, 2026-11-29): not yet understood
+# The tests that share naive_result run on one xdist worker (--dist loadgroup), which builds it once (about 200 s
+# on the 2-core machine). pytest 9.2 drops the grouping (pytest-dev/pytest-xdist#1386): constraints-cpu.txt pins
+# pytest below it.
 NAIVE_GROUP = pytest.mark.xdist_group("assistant-naive-gpt")
 
 
