@@ -17,7 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sweep_attention_hopper import portable  # run fn with KERNEL_LIB_ATTENTION=portable (this folder's script)
+from sweep_attention_hopper import portable, sweep_shapes  # this folder's script
 
 from kernel_lib import attention_ref, bench, flash_attention
 from kernel_lib.ops import attention as attention_module
@@ -120,12 +120,7 @@ def main() -> int:
     args = parser.parse_args()
     env = bench.require_gpu("sweep_attention_backward")
     checked = args.no_checks or all([check_case(*case) for case in CHECKS])
-    rows = []
-    for N, D, Dv, causal in [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES:
-        measure_shape(rows, N, D, Dv, causal)
-        torch.cuda.empty_cache()
-    frame = bench.to_frame(rows)
-    frame = frame.sort_values(["N", "D", "Dv", "causal", "tflops"], ascending=[True, True, True, True, False])
+    rows, frame = sweep_shapes(measure_shape, SHAPES, args.shapes)
     columns = ["N", "D", "Dv", "causal", "impl", "median_ms", "tflops", "first_call_s", "err_dq", "err_dk", "err_dv"]
     print(frame[columns].to_string(index=False, float_format=lambda value: f"{value:,.3g}"))
     print(f"wrote {bench.write_csv(rows, os.path.join(args.out, 'attention_backward.csv'), env=env)}")

@@ -158,6 +158,17 @@ def measure_shape(rows: list, N: int, D: int, Dv: int, causal: bool) -> None:
         record(label(config), lambda config=config: launch(q, k, v, out, lse, causal, config), out.clone(), first)
 
 
+def sweep_shapes(measure, shapes: list, selected: str):
+    """``measure(rows, *shape)`` for every shape (or those whose indices ``selected`` lists, comma-separated): the
+    rows, and their frame sorted with each shape's fastest first."""
+    rows = []
+    for shape in [shapes[int(i)] for i in selected.split(",")] if selected else shapes:
+        measure(rows, *shape)
+        torch.cuda.empty_cache()
+    frame = bench.to_frame(rows)
+    return rows, frame.sort_values(["N", "D", "Dv", "causal", "tflops"], ascending=[True, True, True, True, False])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results")
@@ -165,12 +176,7 @@ def main() -> int:
     args = parser.parse_args()
     env = bench.require_gpu("sweep_attention_hopper")
     checked = all([check_case(*case) for case in CHECKS])
-    rows = []
-    for N, D, Dv, causal in [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES:
-        measure_shape(rows, N, D, Dv, causal)
-        torch.cuda.empty_cache()
-    frame = bench.to_frame(rows)
-    frame = frame.sort_values(["N", "D", "Dv", "causal", "tflops"], ascending=[True, True, True, True, False])
+    rows, frame = sweep_shapes(measure_shape, SHAPES, args.shapes)
     print(frame.to_string(index=False, float_format=lambda value: f"{value:,.3g}"))
     print(f"wrote {bench.write_csv(rows, os.path.join(args.out, 'attention_hopper.csv'), env=env)}")
     return 0 if checked and (frame["max_err_vs_portable"] < 2e-2).all() else 1
