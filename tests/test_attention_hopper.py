@@ -234,6 +234,36 @@ def test_hopper_forward_packed_against_float64(lengths, Hq, Hkv, D, Dv, causal, 
     torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=1e-4, rtol=1e-4)
 
 
+def test_a_backward_that_does_not_build_falls_back_once(monkeypatch):
+    """The Gluon backward uses an op Gluon builds but does not name: where it fails to build, the backward warns
+    once and runs the portable kernels, with the same gradients."""
+    from kernel_lib.ops import _utils
+
+    monkeypatch.setattr(_utils, "_warned", set())
+    monkeypatch.setattr(attention_module, "_hopper_bwd_failed", None)
+    monkeypatch.setattr(attention_module, "uses_hopper_forward", lambda *a: False)
+    monkeypatch.setattr(attention_module, "uses_hopper_backward",
+                        lambda *a: attention_module._hopper_bwd_failed is None)  # fmt: skip
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise AttributeError("'GluonOpBuilder' object has no attribute 'create_async_tma_reduce'")
+
+    monkeypatch.setattr(attention_module, "_hopper_backward", broken)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (torch.randn(1, 2, 40, 32, dtype=torch.float16, device=device, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 2, 40, 32, dtype=torch.float16, device=device)
+    with pytest.warns(UserWarning, match="backward did not build"):
+        got = torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), g)
+    want = torch.autograd.grad(attention_ref(q, k, v, causal=True), (q, k, v), g)
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=0)
+    assert "AttributeError" in attention_module._hopper_bwd_failed
+    torch.autograd.grad(flash_attention(q, k, v), (q, k, v), g)  # later calls go straight to the portable kernels
+    assert len(calls) == 1
+
+
 def test_a_kernel_that_does_not_build_falls_back_once(monkeypatch):
     """Gluon is experimental: a Triton whose Gluon differs raises while building the kernel. The forward then warns
     once and runs the portable kernel, here and on every later call."""
