@@ -126,7 +126,9 @@ def sweep(
        tensors), by :func:`kernel_lib.validate.check` with ``factor``, ``atol`` and ``rtol``. A failure raises
        AssertionError naming the implementation and the case, before any implementation of that case is timed;
     4. :func:`~kernel_lib.bench.timing.time_fn` times each implementation (``timing_kwargs``: ``warmup_ms``,
-       ``rep_ms``, ``flush_l2``, ``device``, which defaults to the device of the first tensor input).
+       ``rep_ms``, ``flush_l2``, ``device``, which defaults to the device of the first tensor input), then checks
+       one more call the same way (a kernel that goes wrong only after many calls, racing or reading a stale
+       buffer, raises AssertionError too).
 
     One row per (case, implementation), in that order: ``name``, the case's parameters, ``impl``, ``median_ms``,
     ``p20_ms``, ``p80_ms``, ``gbps`` and ``tflops`` (counted by ``nbytes(**case)`` and ``flops(**case)``, else
@@ -143,25 +145,18 @@ def sweep(
         inputs = list(make_inputs(**case))
         want = _as_outputs(reference(*[_float64(value) for value in inputs]))
         torch_lowp = _as_outputs(reference(*inputs))
+        checked = dict(want=want, torch_lowp=torch_lowp, factor=factor, atol=atol, rtol=rtol)
+        where = {impl: f"{name + ': ' if name else ''}{impl} at {case}" for impl in implementations}
         errors = {}
         for impl, fn in implementations.items():
-            got = _as_outputs(fn(*inputs))
-            where = f"{name + ': ' if name else ''}{impl} at {case}"
-            if len(got) != len(want):
-                raise AssertionError(f"{where}: {len(got)} outputs, the reference has {len(want)}")
-            errors[impl] = 0.0
-            for i, (out, ref, base) in enumerate(zip(got, want, torch_lowp, strict=True)):
-                label = where if len(want) == 1 else f"{where}, output {i}"
-                verdict = validate.check(out, ref, base, name=label, factor=factor, atol=atol, rtol=rtol)
-                if not verdict.ok:
-                    raise AssertionError(f"sweep refuses to time a wrong result: {verdict}")
-                errors[impl] = max(errors[impl], verdict.kernel.max_abs)
-        del want, torch_lowp
+            errors[impl] = _checked(fn(*inputs), where[impl], "before timing (it was not timed)", **checked)
         device = timing_kwargs.get("device") or next((v.device for v in inputs if isinstance(v, torch.Tensor)), None)
         timing_args = {**timing_kwargs, "device": device}
         case_rows = []
         for impl, fn in implementations.items():
             timing = _timing.time_fn(lambda fn=fn, inputs=inputs: fn(*inputs), **timing_args)
+            # a race or a stale buffer shows only on a later call
+            errors[impl] = max(errors[impl], _checked(fn(*inputs), where[impl], "after timing it", **checked))
             row = result_row(
                 name,
                 timing,
@@ -176,3 +171,18 @@ def sweep(
             row["ratio_to_baseline"] = row["median_ms"] / base_ms if base_ms else None
         rows += case_rows
     return to_frame(rows)
+
+
+def _checked(result, where: str, when: str, want, torch_lowp, factor, atol, rtol) -> float:
+    """The largest error of ``result``'s outputs against ``want`` (float64); AssertionError when one fails."""
+    got = _as_outputs(result)
+    if len(got) != len(want):
+        raise AssertionError(f"{where}: {len(got)} outputs, the reference has {len(want)}")
+    worst = 0.0
+    for i, (out, ref, base) in enumerate(zip(got, want, torch_lowp, strict=True)):
+        label = where if len(want) == 1 else f"{where}, output {i}"
+        verdict = validate.check(out, ref, base, name=label, factor=factor, atol=atol, rtol=rtol)
+        if not verdict.ok:
+            raise AssertionError(f"sweep found a wrong result {when}: {verdict}")
+        worst = max(worst, verdict.kernel.max_abs)
+    return worst

@@ -56,11 +56,23 @@ def test_sweep_refuses_a_wrong_implementation_before_timing(monkeypatch):
     timed = []
     monkeypatch.setattr(bench.timing, "time_fn", lambda *args, **kwargs: timed.append(1))  # what sweep calls
     impls = {"right": _scale, "off by one": lambda x, s: x * s + 1}
-    with pytest.raises(AssertionError, match=r"off by one at \{'n': 16\}"):
+    with pytest.raises(AssertionError, match=r"before timing .*off by one at \{'n': 16\}"):
         bench.sweep(impls, [{"n": 16}], _make_scale_inputs, _scale, progress=False)
     assert not timed
     with pytest.raises(ValueError, match="baseline"):
         bench.sweep(impls, [{"n": 16}], _make_scale_inputs, _scale, baseline="missing", progress=False)
+
+
+def test_sweep_checks_again_after_timing():
+    calls = []
+
+    def goes_wrong(x, s):  # right on its first call, wrong once it has been called many times
+        calls.append(1)
+        return x * s + (len(calls) > 1)
+
+    with pytest.raises(AssertionError, match=r"after timing it: .*goes wrong at \{'n': 16\}"):
+        bench.sweep({"goes wrong": goes_wrong}, [{"n": 16}], _make_scale_inputs, _scale, progress=False, rep_ms=1)
+    assert len(calls) > 2  # it was timed before the second check caught it
 
 
 def test_sweep_checks_tuples_of_gradients_against_float64():
