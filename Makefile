@@ -25,7 +25,8 @@ PIP_INSTALL = $(PYTHON) -m pip install $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) $(
 # them whatever of the Jupyter packages its Python lacks (pip keeps what is already installed).
 PY ?= 3.12
 WHEELHOUSE ?=
-JUPYTER_PACKAGES := nbval nbclient nbformat ipykernel ipywidgets tqdm pydantic openai pytest-xdist
+# pytest below 9.2, as pyproject.toml asks: 9.2 drops pytest-xdist's xdist_group (pytest-dev/pytest-xdist#1386)
+JUPYTER_PACKAGES := nbval nbclient nbformat ipykernel ipywidgets tqdm pydantic openai pytest-xdist 'pytest<9.2'
 
 # Inductor's on-disk graph cache is keyed by the traced graph, not by the custom ops' schemas: a cache left by an
 # older checkout can replay a graph that calls an op with its old arguments. Each checkout keeps its own.

@@ -14,7 +14,7 @@ MODULE_FIXES = ["fused_norm", "fused_gated_mlp", "flash_attention", "grouped_moe
 
 
 # The tests that share naive_result run on one xdist worker (--dist loadgroup), which builds it once (about 200 s
-# on the 2-core machine). pytest 9.2 drops the grouping (pytest-dev/pytest-xdist#1386): constraints-cpu.txt pins
+# on the 2-core machine). pytest 9.2 drops the grouping (pytest-dev/pytest-xdist#1386): pyproject.toml pins
 # pytest below it.
 NAIVE_GROUP = pytest.mark.xdist_group("assistant-naive-gpt")
 
