@@ -8,7 +8,8 @@ Modules, one job each: ``findings`` (the table of finding kinds), ``trace`` (rec
 flow), ``source`` (loops in forward methods), ``dynamo`` (graph breaks, recompiles), ``measure`` (step time,
 memory, profile), ``detect`` (findings from those), ``rewrites`` (the automatic fixes), ``pipeline`` (the loop:
 find, measure each fix alone, combine, validate), ``report`` (the result: tables, text, HTML, JSON, waterfall),
-``plan`` (what was kept, saved and applied again), ``widgets`` (the notebook form), ``__main__`` (the command
+``plan`` (what was kept, saved and applied again), ``by_hand`` (a module rewrite as a diff of the model's
+source), ``widgets`` (the notebook form), ``__main__`` (the command
 line: ``python -m kernel_lib.assistant --help``).
 """
 

@@ -6,7 +6,8 @@ input is random token ids of ``--input-shape`` below ``--vocab`` (default: the m
 ``--dtype``. ``--labels`` also passes the same ids as ``labels=`` (Hugging Face) so the model computes its loss.
 Prints the report (``--json``: the JSON report on stdout). ``--apply --plan plan.json`` also writes what was kept
 as a plan file (``kernel_lib/assistant/plan.py`` describes it), which
-``kernel_lib.assistant.apply_plan(model, inputs, "plan.json")`` applies to the model again in Python.
+``kernel_lib.assistant.apply_plan(model, inputs, "plan.json")`` applies to the model again in Python, and, where
+the kept fixes are module rewrites, ``plan.patch``: the same changes as a diff of the model's source.
 Exit status 0; 2 for bad arguments.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -135,11 +137,14 @@ def main(argv=None) -> int:
         return 2
     print(json.dumps(result.to_json(), indent=2, default=str) if args.json else result.report())
     if args.plan:
-        from .plan import save_plan
+        from .plan import patch_path, save_plan
 
         saved = save_plan(result, args.plan)
+        out = sys.stderr if args.json else sys.stdout
         print(f"plan written to {saved}: kernel_lib.assistant.apply_plan(model, inputs, {saved!r}) applies it",
-              file=sys.stderr if args.json else sys.stdout)  # fmt: skip
+              file=out)  # fmt: skip
+        if os.path.exists(patch_path(saved)):
+            print(f"the same changes by hand, as a diff of your source: {patch_path(saved)} (git apply)", file=out)
     return 0
 
 

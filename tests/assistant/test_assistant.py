@@ -397,6 +397,9 @@ def test_a_plan_saved_after_apply_applies_again(monkeypatch, tmp_path):
     assert [f["technique"] for f in plan["fixes"]] == ["fused_gated_mlp"]  # the kept fix; fused_norm was slower
     assert plan["fixes"][0]["ratio"] == pytest.approx(2.0) and plan["speedup"] == pytest.approx(2.0)
     assert plan["fixes"][0]["by_hand"]  # what to change in the source instead
+    assert "kernel_lib.swiglu_linear(" in plan["fixes"][0]["diff"]  # and as a diff of the class's file
+    with open(tmp_path / "plan.patch") as f:
+        assert f.read() == plan["fixes"][0]["diff"]
 
     again = apply_plan(model, (x,), path)  # a rewritten copy, validated against the original
     assert {type(m).__name__ for m in again.modules()} >= {"FusedGatedMLP", "ManualRMSNorm"}
