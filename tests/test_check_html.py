@@ -18,7 +18,8 @@ BROKEN = """<!DOCTYPE html><html><head><title>broken</title>
 <div class="cell_output"><script type="application/vnd.jupyter.widget-view+json">{"model_id": "abc"}</script></div>
 <div class="output traceback"><pre>ZeroDivisionError: division by zero</pre></div>
 <script>console.error("boom")</script>
-</article></main></body></html>"""
+<pre>{wide_code}</pre>
+</article></main></body></html>""".replace("{wide_code}", "a line of code wider than any reading column " * 12)
 CLEAN = "<!DOCTYPE html><html><body><main><article><p>" + "Plain text. " * 200 + "</p></article></main></body></html>"
 
 
@@ -52,4 +53,5 @@ def test_check_html_reports_each_kind_of_problem(tmp_path):
     assert "[output] stored error output" in report
     assert "console.error: boom" in report
     assert "1/2 pages without problems" in report
+    assert "reading at 1280 px (reported, not failed on): 1 code blocks or tables wider than their column" in report
     assert (tmp_path / "screens" / "broken.png").stat().st_size > 0

@@ -19,8 +19,10 @@ screenshot is saved as <screens>/<page>.png, and the page fails on:
   image     an image that did not load (naturalWidth 0)
   output    a stored error output (a traceback) or a stderr output that holds a Traceback
 
-It prints a table of pages with their counts and every problem, and exits 1 if there is any problem, 2 if it
-could not run (no Chromium, no built book).
+It also measures what a reader at this window width sees, reported per page and in sum but not failed on (yet):
+code blocks and tables wider than their column, images displayed under 70% of their natural width, the page's
+height. It prints a table of pages with their counts and every problem, and exits 1 if there is any problem, 2 if
+it could not run (no Chromium, no built book).
 """
 
 from __future__ import annotations
@@ -145,8 +147,15 @@ INSPECT_JS = r"""
     if (e.textContent.includes('Traceback')) add('output', 'stderr output with a Traceback: ' +
                                                             e.textContent.trim().split('\n').slice(-1)[0]);
 
+  // Reading at this width (reported, not failed on): code blocks and tables wider than their column (a reader
+  // scrolls sideways or loses the right edge), images shown under 70% of their natural width (their text shrinks).
+  const wide = [...root.querySelectorAll('pre, table')].filter(e => e.tagName === 'PRE'
+      ? e.scrollWidth > e.clientWidth + 1
+      : e.scrollWidth > ((e.parentElement && e.parentElement.clientWidth) || e.scrollWidth) + 1).length;
+  const shrunk = images.filter(img => img.naturalWidth &&
+                               img.getBoundingClientRect().width < 0.7 * img.naturalWidth).length;
   return {problems, stats: {math: maths.length, widgets: views.length, widgets_ok: widgetsOk,
-                            images: images.length, height: document.documentElement.scrollHeight}};
+                            images: images.length, height: document.documentElement.scrollHeight, wide, shrunk}};
 })()
 """
 
@@ -433,11 +442,16 @@ def short(url: str, base: str) -> str:
     return url[len(base) + 1 :] if url.startswith(base + "/") else url
 
 
-def print_report(results: list[dict], seconds: float) -> int:
+TALL = 20_000  # px: a page longer than this is reported (reading measures are reported, not failed on)
+
+
+def print_report(results: list[dict], seconds: float, window: int = 1280) -> int:
     kinds = ["network", "console", "math", "widget", "image", "output"]
     width = max([len(r["page"]) for r in results] + [4])
-    header = f"{'page':<{width}}  {'math':>5} {'widgets':>8} {'images':>6} {'reqs':>5} {'s':>5}  " + " ".join(
-        f"{k:>7}" for k in kinds
+    header = (
+        f"{'page':<{width}}  {'math':>5} {'widgets':>8} {'images':>6} {'reqs':>5} {'s':>5}  "
+        + " ".join(f"{k:>7}" for k in kinds)
+        + f"  {'wide':>5} {'shrunk':>6} {'height':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -447,7 +461,9 @@ def print_report(results: list[dict], seconds: float) -> int:
         widgets = f"{s.get('widgets_ok', 0)}/{s.get('widgets', 0)}"
         print(
             f"{r['page']:<{width}}  {s.get('math', 0):>5} {widgets:>8} {s.get('images', 0):>6} "
-            f"{s.get('requests', 0):>5} {r['seconds']:>5.1f}  " + " ".join(f"{counts[k] or '.':>7}" for k in kinds)
+            f"{s.get('requests', 0):>5} {r['seconds']:>5.1f}  "
+            + " ".join(f"{counts[k] or '.':>7}" for k in kinds)
+            + f"  {s.get('wide', 0) or '.':>5} {s.get('shrunk', 0) or '.':>6} {s.get('height', 0):>7,}"
         )
     bad = [r for r in results if r["problems"]]
     total = sum(len(r["problems"]) for r in results)
@@ -458,6 +474,13 @@ def print_report(results: list[dict], seconds: float) -> int:
             for kind, text in r["problems"]:
                 print(f"  [{kind}] {text}")
     print()
+    wide = sum(r["stats"].get("wide", 0) for r in results)
+    shrunk = sum(r["stats"].get("shrunk", 0) for r in results)
+    tall = sum(1 for r in results if r["stats"].get("height", 0) > TALL)
+    print(
+        f"reading at {window} px (reported, not failed on): {wide} code blocks or tables wider than their column, "
+        f"{shrunk} images shown under 70% of their width, {tall} pages taller than {TALL:,} px"
+    )
     print(
         f"check_html: {len(results) - len(bad)}/{len(results)} pages without problems, {total} problems "
         f"({seconds:.0f} s)"
@@ -541,7 +564,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
-    status = print_report(results, seconds)
+    status = print_report(results, seconds, args.width)
     if args.screens:
         print(f"check_html: screenshots in {args.screens}/")
     return status
