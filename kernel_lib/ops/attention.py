@@ -23,8 +23,9 @@ delta = rowsum(dout * out) (minus any gradient of lse) and lse in base 2. Then o
 and loops over the query blocks of every query head of its group (dK, dV, summed over the group in registers;
 computed transposed, s^T = k q^T, so no register tile is transposed); a second owns a query block and loops over
 key blocks (dQ). Only tiles on the edge of the causal or window mask apply it; rows past N and keys past M load
-as zeros, which contribute nothing. No atomics, so results are deterministic. A head dim that is not a power of
-two is padded to one inside the kernels (the padding columns load as zeros, so the scores do not change).
+as zeros, which contribute nothing. No atomics, so these kernels' results are deterministic (the Hopper backward
+below is not). A head dim that is not a power of two is padded to one inside the kernels (the padding columns load
+as zeros, so the scores do not change).
 
 Configs come from a heuristic per shape, and each must fit the GPU's shared memory: the estimate prunes the list,
 then the compiled kernel's own count (Triton's ``metadata.shared``) has the last word, so a config the compiler
