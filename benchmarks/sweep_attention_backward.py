@@ -1,13 +1,13 @@
 """The backward of kernel_lib.flash_attention on Hopper: the Gluon kernel of ``attention_hopper.py`` against the
 portable Triton kernels and SDPA's cuDNN and FlashAttention-2 backends, on an SM90 GPU.
 
-First the library's backward is checked on odd cases (GQA, N != M, windows, head dims 40 to 256, Dv != D, fp16
+First the library's backward is checked on odd cases (GQA, N != M, windows, head dims 64 to 128, Dv != D, fp16
 and bf16) against float64 with FlashAttention's rule: error of dq, dk and dv at most 2x PyTorch's own in that
 precision; each case says which path ran. Then for each shape (bf16, 16k tokens a batch, 2048 / D heads) the
 backward alone is timed (autograd with the graph retained, the forward outside the timing) for the library's
 choice, the portable kernels (``KERNEL_LIB_ATTENTION=portable``) and SDPA's backends, and the gradients compared
-with the portable kernels'. TFLOP/s counts 2.5 x 4 B H N M D over the visible pairs. Writes
-<out>/attention_backward.csv and prints the table, each shape's fastest first.
+with the portable kernels' before and after the timing (the script fails past 2e-2). TFLOP/s counts 2.5 x 4 B H N M
+D over the visible pairs. Writes <out>/attention_backward.csv and prints the table, each shape's fastest first.
 """
 
 import argparse
@@ -93,7 +93,8 @@ def measure_shape(rows: list, N: int, D: int, Dv: int, causal: bool) -> None:
             print(f"{shape} {name}: failed ({type(error).__name__}: {str(error)[:200]})", flush=True)
             return
         timing = bench.time_fn(lambda: wrap(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)))
-        errs = max_errors(got, want)
+        after = wrap(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True))  # checked again after timing
+        errs = [max(a, b) for a, b in zip(max_errors(got, want), max_errors(after, want), strict=True)]
         rows.append(bench.result_row("attention backward", timing, flops=flops, **shape, impl=name, first_call_s=first,
                                      err_dq=errs[0], err_dk=errs[1], err_dv=errs[2]))  # fmt: skip
         print(f"{shape} {name}: {rows[-1]['tflops']:.0f} TFLOP/s, first {first:.2f} s, err vs portable "
@@ -124,7 +125,8 @@ def main() -> int:
     columns = ["N", "D", "Dv", "causal", "impl", "median_ms", "tflops", "first_call_s", "err_dq", "err_dk", "err_dv"]
     print(frame[columns].to_string(index=False, float_format=lambda value: f"{value:,.3g}"))
     print(f"wrote {bench.write_csv(rows, os.path.join(args.out, 'attention_backward.csv'), env=env)}")
-    return 0 if checked else 1
+    agrees = (frame[["err_dq", "err_dk", "err_dv"]] < 2e-2).all().all()  # as sweep_attention_hopper's forward rule
+    return 0 if checked and agrees else 1
 
 
 if __name__ == "__main__":
