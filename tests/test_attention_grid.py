@@ -46,12 +46,12 @@ def check_case(B, Hq, Hkv, N, M, D, Dv, causal, window, dtype, device):
 
 
 def over_the_grid(group: str):
-    """The grid's parametrization, for the fixed-length and the packed tests alike: every head dim (spread over four
+    """The grid's parametrization, for the fixed-length and the packed tests alike: every head dim (spread over six
     xdist groups named after ``group``, each on one worker under --dist loadgroup, sharing its compiled kernels),
     fp16 and bf16, the three masks; GPU only."""
 
     def wrap(test):
-        spread = [pytest.param(D, marks=pytest.mark.xdist_group(f"{group}-{i % 4}")) for i, D in enumerate(HEAD_DIMS)]
+        spread = [pytest.param(D, marks=pytest.mark.xdist_group(f"{group}-{i % 6}")) for i, D in enumerate(HEAD_DIMS)]
         test = pytest.mark.parametrize("D", spread)(test)
         test = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])(test)
         return pytest.mark.gpu(pytest.mark.parametrize("mask", MASKS)(test))

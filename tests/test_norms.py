@@ -87,7 +87,9 @@ SHAPES = [  # both norms
     (7, 4096),  # a model-sized row, one row per program
     (4, 5121),  # wide and odd: masked tail of an 8192 block
     (257, 64),  # narrow rows packed several to a program; 257 not a multiple of the pack
-    (2, 16385),  # wider than WIDE_ROW: the backward's loop without prefetch, weight re-read each row
+    (2, 16384),  # wider than WIDE_ROW: the backward's loop without prefetch, weight re-read each row
+    (2, 16385),  # wider than BWD_SPLIT_ABOVE: one program a row forward, a team of 5 programs backward
+    (2, 32769),  # wider than SPLIT_ABOVE: teams of 5 or 9 programs a row, the last with one column
 ]
 ONE_COLUMN = [  # D = 1, a case per norm: rstd = 1/sqrt(eps) amplifies any error
     ("rms", (1, 1)),  # one element: the mean of one square
@@ -141,6 +143,63 @@ def test_wide_loop_over_many_rows_per_program(device, norm, monkeypatch, dtype, 
     # WIDE_ROW lowered so that small rows take the wide loop, with many rows per program and a ragged last share
     monkeypatch.setattr(norm_module, "WIDE_ROW", 16)
     check_forward_backward(norm.fn, norm.ref, _args(norm, (203, 100), dtype, device), atol=atol, rtol=rtol)
+
+
+def split_small(monkeypatch):
+    """Rows wider than 32 columns shared by teams of programs: lanes of 64 columns forward, 32 backward."""
+    monkeypatch.setattr(norm_module, "SPLIT_ABOVE", 32)
+    monkeypatch.setattr(norm_module, "BWD_SPLIT_ABOVE", 32)
+    monkeypatch.setattr(norm_module, "RMS_FWD_LANES", (64, 4))
+    monkeypatch.setattr(norm_module, "LN_FWD_LANES", (64, 4))
+    monkeypatch.setattr(norm_module, "BWD_LANES", (32, 4))
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 33), (9, 100), (5, 1000)], ids=str)  # a one-column lane; partial; 32 lanes
+def test_split_rows_on_small_rows(device, norm, monkeypatch, shape, dtype, atol, rtol):
+    split_small(monkeypatch)
+    check_forward_backward(norm.fn, norm.ref, _args(norm, shape, dtype, device), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("weight, bias", [(False, False), (True, False), (False, True)], ids=str)
+def test_split_rows_partial_affine(device, norm, monkeypatch, weight, bias):
+    split_small(monkeypatch)
+    args = _args(norm, (6, 150), torch.float32, device, weight=weight, bias=bias)
+    check_forward_backward(norm.fn, norm.ref, args, atol=1e-6, rtol=1e-5)
+
+
+def test_split_rows_large_mean(device, monkeypatch):
+    """LayerNorm's lanes each sum squares about their own mean, then combine (Chan et al.): a row whose mean is
+    a thousand times its spread loses nothing to cancellation."""
+    split_small(monkeypatch)
+    x = 1000 + torch.randn(4, 300, device=device)
+    check_forward_backward(layer_norm, layer_norm_ref, [x, None, None, 1e-5], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 5000])  # one team; fewer rows than teams; rows looping over the teams
+def test_split_rows_both_launch_paths_agree(norm, monkeypatch, rows):
+    """The barrier path (one launch) and the two-launch path (a GPU that holds too few programs) combine the same
+    partials in the same order: the same output bits. dx agrees to rounding: the two compiled kernels contract
+    multiply-adds differently, which g - xhat * c amplifies where it cancels (seen at 5,000 rows); dweight and
+    dbias sum over a different number of teams. A race (a lane reading another row's partials) would be off by
+    the size of the values, far past these tolerances."""
+    x, *params, eps = _args(norm, (rows, 40000), torch.bfloat16, "cuda")
+    dy = torch.randn_like(x)
+
+    def run():
+        y, mean, rstd = norm_module._forward(x, params[0], params[1] if norm.has_bias else None, eps, norm.is_rms)
+        grads = norm_module._backward(dy, x, params[0], params[1] if norm.has_bias else None, mean, rstd,
+                                      norm.is_rms)  # fmt: skip
+        return y, *grads
+
+    one = run()
+    monkeypatch.setattr(norm_module.split_rows, "resident_programs", lambda *args: 1)
+    two = run()
+    assert torch.equal(one[0], two[0])
+    for a, b in zip(one[1:], two[1:], strict=True):
+        if a is not None:
+            torch.testing.assert_close(a.float(), b.float(), atol=2**-8 * a.float().abs().max().item(), rtol=2**-7)
 
 
 def test_large_magnitude_inputs_do_not_overflow(device, norm):
@@ -267,7 +326,9 @@ def test_finish_kernel_sums_the_partials(device, programs, D, affine, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 16384), (3, 65536)], ids=str)  # large, wide, widest supported
+@pytest.mark.parametrize(  # large; wide; wider rows shared by teams of programs, odd, more rows than teams
+    "shape", [(4096, 4096), (1000, 16384), (3, 65536), (64, 131072), (4, 262147), (300, 32769)], ids=str
+)
 def test_large_on_gpu(norm, shape):
     check_forward_backward(norm.fn, norm.ref, _args(norm, shape, torch.bfloat16, "cuda"), atol=1e-2)
 
@@ -283,6 +344,7 @@ def test_large_on_gpu(norm, shape):
         ((3, 999), "contiguous"),  # width not a power of two
         ((257, 64), "contiguous"),  # narrow rows packed several to a program
         ((4, 5121), "sliced"),  # wide, odd, rows strided in memory
+        ((3, 40000), "sliced"),  # wider than SPLIT_ABOVE: a team of programs a row
         ((6, 128), "transposed"),  # a layout as_rows must copy
     ],
     ids=str,

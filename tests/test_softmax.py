@@ -1,4 +1,5 @@
-"""kernel_lib.softmax against float64, forward and backward, both the one-pass and the online (chunked) kernel."""
+"""kernel_lib.softmax against float64, forward and backward: whole rows a program, and rows shared by a team of
+programs (split_rows.py) at small widths (thresholds lowered) and at vocabulary widths."""
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ SHAPES = [
     (2, 3000),  # masked tail of a 4096 block
     (2, 5121),  # odd, just past a power of two
     (2, 16385),  # one past 16384
-    (2, 65536),  # wider than MAX_FUSED: the online two-pass kernel
+    (2, 65537),  # wider than SPLIT_ABOVE: a team of 17 programs a row, the last with one column
     (130, 48),  # narrow rows packed many to a program, 130 not a multiple of the pack
     (2, 3, 77),  # batched 3-D
 ]
@@ -39,28 +40,31 @@ def test_forward_backward(device, shape, dtype, atol, rtol):
     check_forward_backward(softmax, softmax_ref, [x], atol=atol, rtol=rtol, baseline=torch_softmax)
 
 
+def split_small(monkeypatch, lane_width: int = 64):
+    """Rows wider than 32 columns shared by teams of programs of ``lane_width`` columns each."""
+    monkeypatch.setattr(softmax_module, "SPLIT_ABOVE", 32)
+    monkeypatch.setattr(softmax_module, "LANE_WIDTH", lane_width)
+
+
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
-@pytest.mark.parametrize("width", [64, 100, 1000])  # one chunk exactly, a partial chunk, many chunks
-def test_online_kernel_on_small_rows(device, monkeypatch, width, dtype, atol, rtol):
-    monkeypatch.setattr(softmax_module, "MAX_FUSED", 32)
-    monkeypatch.setattr(softmax_module, "CHUNK", 64)
+@pytest.mark.parametrize("width", [33, 64, 100, 1000])  # two half-full lanes, one lane, a partial lane, 16 lanes
+def test_split_rows_on_small_rows(device, monkeypatch, width, dtype, atol, rtol):
+    split_small(monkeypatch)
     x = (3 * torch.randn(5, width, device=device)).to(dtype)
     check_forward_backward(softmax, softmax_ref, [x], atol=atol, rtol=rtol, baseline=torch_softmax)
 
 
-@pytest.mark.parametrize("online", [False, True])
-def test_minus_infinity_gives_exact_zeros(device, monkeypatch, online):
-    if online:
-        monkeypatch.setattr(softmax_module, "MAX_FUSED", 32)
-        monkeypatch.setattr(softmax_module, "CHUNK", 64)
-    x = torch.randn(4, 200, device=device)
-    x[0, :150] = float("-inf")  # the online kernel sees whole chunks of -inf before any finite value
-    x[1, ::3] = float("-inf")
-    x[2, :] = float("-inf")  # all masked: NaN, as in PyTorch
-    y = softmax(x)
-    assert (y[0, :150] == 0).all() and (y[1, ::3] == 0).all()
-    assert torch.isnan(y[2]).all() and torch.isnan(torch.softmax(x, -1)[2]).all()
-    torch.testing.assert_close(y[[0, 1, 3]], torch.softmax(x, -1)[[0, 1, 3]], atol=1e-6, rtol=1e-5)
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 5000])  # one team; fewer rows than teams; rows looping over the teams
+def test_split_rows_both_launch_paths_agree(monkeypatch, rows):
+    """The barrier path (one launch) and the two-launch path (a GPU that holds too few programs) give the same
+    bits: each combines the same partials in the same order."""
+    x = (3 * torch.randn(rows, 40000, device="cuda")).bfloat16()
+    dy = torch.randn_like(x)
+    one = softmax_module._forward(x), softmax_module._backward(dy, x)
+    monkeypatch.setattr(softmax_module.split_rows, "resident_programs", lambda *args: 1)
+    two = softmax_module._forward(x), softmax_module._backward(dy, x)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
@@ -96,7 +100,8 @@ def test_bad_input_is_named(x, error, words):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(8192, 4096), (64, 131072), (4, 262147)])  # large; vocabulary-wide; odd wide
+@pytest.mark.parametrize("shape", [(8192, 4096), (64, 131072), (4, 262147), (300, 32769)])  # large; vocabulary-
+# wide; odd wide; just past one program's row, with more rows than the GPU holds teams
 def test_large_on_gpu(shape):
     x = (3 * torch.randn(shape, device="cuda")).bfloat16()
     check_forward_backward(softmax, softmax_ref, [x], atol=1e-3, baseline=torch_softmax)

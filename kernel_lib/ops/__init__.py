@@ -4,8 +4,9 @@ Importing a module here gives the module (``from kernel_lib.ops import softmax``
 kernels and reference), while ``kernel_lib.softmax`` is the function. Every file needs ``_utils.py`` beside it; a
 few need siblings too. To use a kernel in your project, copy these files into one package folder:
 
-* ``norms.py``, ``softmax.py``, ``swiglu.py``, ``rope.py``, ``cross_entropy.py``, ``grouped_mm.py``: with
-  ``_utils.py`` alone;
+* ``swiglu.py``, ``rope.py``, ``cross_entropy.py``, ``grouped_mm.py``: with ``_utils.py`` alone;
+* ``norms.py``, ``softmax.py``: with ``_utils.py`` and ``split_rows.py`` (rows too wide for one program shared by
+  a team of programs);
 * ``linear_cross_entropy.py``: with ``_utils.py`` and ``cross_entropy.py``;
 * ``attention.py``: with ``_utils.py``, ``attention_kernels.py``, ``attention_hopper.py`` (the Gluon forward for
   SM90 GPUs; on a Triton without Gluon it imports and stays unused) and ``rope.py`` (for ``MultiHeadAttention``'s
@@ -17,8 +18,8 @@ companions into an empty folder, imports it there and runs it forward and backwa
 """
 
 COMPANIONS = {
-    "norms.py": (),
-    "softmax.py": (),
+    "norms.py": ("split_rows.py",),
+    "softmax.py": ("split_rows.py",),
     "swiglu.py": (),
     "rope.py": (),
     "cross_entropy.py": (),

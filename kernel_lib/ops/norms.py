@@ -19,6 +19,13 @@ before dbias's; a small finish kernel sums each column over the programs in a fi
 and dbias in the parameters' dtype (no atomics: deterministic). A frozen weight or bias (requires_grad False)
 is neither accumulated nor summed.
 
+Rows wider than ``SPLIT_ABOVE`` columns (``BWD_SPLIT_ABOVE`` backward) are shared by a team of programs, a chunk
+of columns each (``split_rows.py``): forward, each program reduces its chunk to its sum of squares (LayerNorm: its
+sum and its sum of squares about its own mean, combined exactly as Chan, Golub & LeVeque's parallel variance), the
+team meets at a barrier and each program normalizes its chunk; backward, the chunks' sums of g * xhat (and of g)
+are combined the same way, and each program keeps its columns' dweight and dbias over its team's rows, summed by
+the same finish kernel. Every element is still read and written once.
+
 ``add_rms_norm(x, residual, weight)`` is decoding's fused residual add: the forward kernel adds the residual to
 x first (rounded to x's dtype, as a separate add would), writes that sum, and normalizes it; inference only.
 
@@ -34,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import split_rows
 from ._utils import (
     as_rows,
     check_same_device,
@@ -45,11 +53,19 @@ from ._utils import (
     row_block_settings,
     use_triton,
 )
+from .split_rows import team_barrier
 
 __all__ = ["rms_norm", "rms_norm_ref", "RMSNorm", "add_rms_norm", "layer_norm", "layer_norm_ref", "LayerNorm"]
 
 # Rows wider than this run the backward's WIDE loop: holding two such rows (prefetch) spills registers.
 WIDE_ROW = 8192
+# Rows wider than these are shared by a team of programs (split_rows.py), forward and backward: one program a
+# row is as fast forward up to 32,768 columns, but its backward loop falls to 7-11% of the copy rate at
+# 32,768-65,536 (an H200 sweep, benchmarks/NOTES.md, session of 2026-11-29 from 06:18 UTC).
+SPLIT_ABOVE, BWD_SPLIT_ABOVE = 32768, 16384
+# (columns, warps) of each program of a team. In that sweep RMSNorm's forward ran best with 8,192 and 8 (58-62%
+# of copy at 65,536-262,144; 49-56% with 4,096 and 4), LayerNorm's, with two statistics, with 4,096 and 4.
+RMS_FWD_LANES, LN_FWD_LANES, BWD_LANES = (8192, 8), (4096, 4), (4096, 4)
 # The finish kernel's tile: partial rows per loop step, columns per program (the fastest tile tried).
 _FINISH_BLOCK_P, _FINISH_BLOCK_D = 128, 16
 
@@ -209,6 +225,188 @@ def _norm_bwd_kernel(
 
 
 @triton.jit
+def _norm_fwd_split_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    s_ptr,
+    mean_ptr,
+    rstd_ptr,  # as in _norm_fwd_kernel
+    part_ptr,  # float32 scratch, (slots, 2, LANES_P2): each lane's sum of x and sum of squares about its own mean
+    # (LayerNorm), or its sum of squares (RMSNorm)
+    count_ptr,  # (teams,) int32, zeroed: arrivals at each team's barrier (PHASE 0)
+    x_row_stride,
+    r_row_stride,
+    n_rows,
+    D,
+    inv_D,
+    eps,  # as in _norm_fwd_kernel
+    lanes,  # programs a row: lane l holds columns [l * BLOCK_D, (l + 1) * BLOCK_D)
+    teams,  # team t takes rows t, t + teams, ...; programs = teams * lanes
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    LANES_P2: tl.constexpr,  # lanes padded to a power of two
+    BLOCK_D: tl.constexpr,  # columns a lane
+    PHASE: tl.constexpr,  # 0: one launch, lanes meet at a barrier; 1: store partials; 2: read them, write y
+):
+    pid = tl.program_id(0)
+    team = pid // lanes
+    lane = pid % lanes
+    cols = lane * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    others = tl.arange(0, LANES_P2)
+    # columns of each lane: a lane's partial sum of squares is about its own mean, combined below (Chan et al.)
+    n_each = tl.minimum(tl.maximum(D - others * BLOCK_D, 0), BLOCK_D).to(tl.float32)
+    n_mine = tl.minimum(D - lane * BLOCK_D, BLOCK_D).to(tl.float32)
+    if HAS_WEIGHT:  # the lane's columns of the parameters, loaded once for all its rows
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    healthy = tl.full([], 1, tl.int1)  # False once a barrier gave up (split_rows.team_barrier): NaN from then
+    k = 0
+    # The next row's chunk is loaded while this row's lanes meet (software pipelining by hand)
+    first = tl.cast(team, tl.int64)
+    x_next = tl.load(x_ptr + first * x_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
+    if HAS_RESIDUAL:
+        r_next = tl.load(r_ptr + first * r_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
+    for row in range(team, n_rows, teams):
+        row64 = tl.cast(row, tl.int64)  # row * stride overflows int32 past 2**31 elements
+        nxt = row64 + teams
+        x = x_next.to(tl.float32)
+        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
+        if HAS_RESIDUAL:
+            r = r_next.to(tl.float32)
+            r_next = tl.load(r_ptr + nxt * r_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
+            x = (x + r).to(s_ptr.dtype.element_ty)  # rounded as a separate add would be
+            if PHASE != 2:
+                tl.store(s_ptr + row64 * D + cols, x, mask=mask)
+            x = x.to(tl.float32)
+        if PHASE == 0:  # two slots a team, alternating by row (split_rows.py)
+            slot = part_ptr + (team * 2 + k % 2) * (2 * LANES_P2)
+        else:  # a slot a row
+            slot = part_ptr + row64 * (2 * LANES_P2)
+        if PHASE != 2:
+            if IS_RMS:
+                tl.store(slot + lane, tl.sum(x * x, axis=0))
+            else:
+                total = tl.sum(x, axis=0)
+                centered = tl.where(mask, x - total / n_mine, 0.0)
+                tl.store(slot + lane, total)
+                tl.store(slot + LANES_P2 + lane, tl.sum(centered * centered, axis=0))
+        if PHASE == 0:
+            healthy = team_barrier(count_ptr + team, (k + 1) * lanes, healthy)
+        if PHASE != 1:
+            firsts = tl.load(slot + others, mask=others < lanes, other=0.0, cache_modifier=".cg")
+            if IS_RMS:
+                rstd = 1.0 / tl.sqrt(tl.sum(firsts, axis=0) * inv_D + eps)
+                y = x * rstd
+            else:
+                seconds = tl.load(slot + LANES_P2 + others, mask=others < lanes, other=0.0, cache_modifier=".cg")
+                mean = tl.sum(firsts, axis=0) * inv_D
+                apart = firsts / tl.maximum(n_each, 1.0) - mean  # each lane's mean minus the row's
+                rstd = 1.0 / tl.sqrt(tl.sum(seconds + n_each * apart * apart, axis=0) * inv_D + eps)
+                y = (x - mean) * rstd
+                tl.store(mean_ptr + row64, mean, mask=lane == 0)
+            tl.store(rstd_ptr + row64, rstd, mask=lane == 0)
+            if HAS_WEIGHT:
+                y = y * w
+            if HAS_BIAS:
+                y = y + b
+            y = tl.where(healthy, y, float("nan"))
+            tl.store(y_ptr + row64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        k += 1
+
+
+@triton.jit
+def _norm_bwd_split_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,  # as in _norm_bwd_kernel
+    partial_ptr,  # output, (WEIGHT_GRAD + BIAS_GRAD, teams, D) float32: each team's dweight, then dbias
+    part_ptr,  # float32 scratch, (slots, 2, LANES_P2): each lane's sum of g * xhat, then of g (LayerNorm)
+    count_ptr,  # (teams,) int32, zeroed: arrivals at each team's barrier (PHASE 0)
+    dy_row_stride,
+    x_row_stride,
+    n_rows,
+    D,
+    inv_D,  # as in _norm_bwd_kernel
+    lanes,  # programs a row
+    teams,  # team t takes rows t, t + teams, ...
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    LANES_P2: tl.constexpr,  # lanes padded to a power of two
+    BLOCK_D: tl.constexpr,  # columns a lane
+    PHASE: tl.constexpr,  # as in the forward
+):
+    pid = tl.program_id(0)
+    team = pid // lanes
+    lane = pid % lanes
+    cols = lane * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    others = tl.arange(0, LANES_P2)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # this team's rows, this lane's columns
+    db_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    healthy = tl.full([], 1, tl.int1)  # False once a barrier gave up (split_rows.team_barrier): NaN from then
+    k = 0
+    first = tl.cast(team, tl.int64)
+    x_next = tl.load(x_ptr + first * x_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
+    dy_next = tl.load(dy_ptr + first * dy_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
+    for row in range(team, n_rows, teams):
+        row64 = tl.cast(row, tl.int64)
+        nxt = row64 + teams
+        x = x_next.to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
+        dy_next = tl.load(dy_ptr + nxt * dy_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
+        rstd = tl.load(rstd_ptr + row64)
+        if IS_RMS:
+            xhat = x * rstd
+        else:
+            xhat = tl.where(mask, (x - tl.load(mean_ptr + row64)) * rstd, 0.0)
+        g = dy * w if HAS_WEIGHT else dy
+        if PHASE == 0:
+            slot = part_ptr + (team * 2 + k % 2) * (2 * LANES_P2)
+        else:
+            slot = part_ptr + row64 * (2 * LANES_P2)
+        if PHASE != 2:
+            tl.store(slot + lane, tl.sum(g * xhat, axis=0))
+            if not IS_RMS:
+                tl.store(slot + LANES_P2 + lane, tl.sum(g, axis=0))
+        if PHASE == 0:
+            healthy = team_barrier(count_ptr + team, (k + 1) * lanes, healthy)
+        if PHASE != 1:
+            dot = tl.sum(tl.load(slot + others, mask=others < lanes, other=0.0, cache_modifier=".cg"), axis=0)
+            dx = g - xhat * (dot * inv_D)
+            if not IS_RMS:
+                g_sum = tl.load(slot + LANES_P2 + others, mask=others < lanes, other=0.0, cache_modifier=".cg")
+                dx -= tl.sum(g_sum, axis=0) * inv_D
+            dx = tl.where(healthy, dx * rstd, float("nan"))
+            tl.store(dx_ptr + row64 * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if WEIGHT_GRAD:
+                dw_acc += dy * xhat
+            if BIAS_GRAD:
+                db_acc += dy
+        k += 1
+    if PHASE != 1:
+        if WEIGHT_GRAD:
+            tl.store(partial_ptr + team * D + cols, dw_acc, mask=mask)
+        if BIAS_GRAD:
+            db_row = team + teams if WEIGHT_GRAD else team  # dbias's partials follow dweight's
+            tl.store(partial_ptr + db_row * D + cols, db_acc, mask=mask)
+
+
+@triton.jit
 def _norm_bwd_finish_kernel(
     partial_ptr,  # (WEIGHT_GRAD + BIAS_GRAD, programs, D) float32 from the backward kernel
     dw_ptr,  # output, (D,) in weight's dtype: dweight; unused when WEIGHT_GRAD is False
@@ -255,14 +453,24 @@ def _forward(x, weight, bias, eps, is_rms, residual=None):
     rows = as_rows(x)  # (n_rows, D)
     res_rows = rows if residual is None else as_rows(residual)
     n_rows, D = rows.shape
-    block_d, block_m, num_warps = row_block_settings(D, x.element_size())
-    _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-        rows, res_rows, weight if weight is not None else rows, bias if bias is not None else rows, y,
-        total if total is not None else y, rstd if is_rms else mean, rstd, rows.stride(0), res_rows.stride(0),
-        n_rows, D, 1.0 / D, eps,
-        IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_D=block_d, BLOCK_M=block_m, num_warps=num_warps,
-    )  # fmt: skip
+    tensors = (rows, res_rows, weight if weight is not None else rows, bias if bias is not None else rows, y,
+               total if total is not None else y, rstd if is_rms else mean, rstd)  # fmt: skip
+    sizes = (rows.stride(0), res_rows.stride(0), n_rows, D, 1.0 / D, eps)
+    flags = dict(IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                 HAS_RESIDUAL=residual is not None)  # fmt: skip
+    if D <= SPLIT_ABOVE:
+        block_d, block_m, num_warps = row_block_settings(D, x.element_size())
+        _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+            *tensors, *sizes, **flags, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=num_warps
+        )
+    else:  # a team of programs a row (split_rows.py)
+        width, warps = RMS_FWD_LANES if is_rms else LN_FWD_LANES
+        block_d = split_rows.lane_block(D, width)
+        lanes = triton.cdiv(D, block_d)
+        split_rows.launch(
+            _norm_fwd_split_kernel, lambda part, count, teams: (*tensors, part, count, *sizes, lanes, teams),
+            n_rows, D, block_d, 2, dict(flags, num_warps=warps), x,
+        )  # fmt: skip
     return (y, mean, rstd) if residual is None else (y, mean, rstd, total)
 
 
@@ -276,6 +484,23 @@ def _backward(dy, x, weight, bias, mean, rstd, is_rms, weight_grad=True, bias_gr
         return dx, (dw.zero_() if weight_grad else None), (db.zero_() if bias_grad else None)
     rows, dy_rows = as_rows(x), as_rows(dy)  # (n_rows, D) each
     n_rows = rows.shape[0]
+    sums = weight_grad + bias_grad
+    flags = dict(IS_RMS=is_rms, HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad)
+    if D > BWD_SPLIT_ABOVE:  # a team of programs a row (split_rows.py), each team's parameter gradients apart
+        block_d = split_rows.lane_block(D, BWD_LANES[0])
+        lanes = triton.cdiv(D, block_d)
+        partials = {}
+
+        def arguments(part, count, teams):
+            partials[teams] = torch.empty((sums, teams, D), device=x.device, dtype=torch.float32) if sums else dx
+            return (dy_rows, rows, weight if weight is not None else rows, rstd if is_rms else mean, rstd, dx,
+                    partials[teams], part, count, dy_rows.stride(0), rows.stride(0), n_rows, D, 1.0 / D, lanes,
+                    teams)  # fmt: skip
+
+        teams = split_rows.launch(_norm_bwd_split_kernel, arguments, n_rows, D, block_d, 2,
+                                  dict(flags, num_warps=BWD_LANES[1]), x).teams  # fmt: skip
+        _finish(partials[teams], dw, db, teams, D, weight_grad, bias_grad)
+        return dx, dw, db
     block_d, _, num_warps = row_block_settings(D, x.element_size())
     wide = block_d > WIDE_ROW
     if wide and is_rms:  # 8 warps suit RMSNorm's wide loop; LayerNorm's, with two accumulators, spills less with 16
@@ -283,21 +508,24 @@ def _backward(dy, x, weight, bias, mean, rstd, is_rms, weight_grad=True, bias_gr
     programs = persistent_programs(x.device, n_rows)
     rows_per_program = triton.cdiv(n_rows, programs)
     programs = triton.cdiv(n_rows, rows_per_program)
-    sums = weight_grad + bias_grad
     partial = torch.empty((sums, programs, D), device=x.device, dtype=torch.float32) if sums else dx
     _norm_bwd_kernel[(programs,)](
         dy_rows, rows, weight if weight is not None else rows, rstd if is_rms else mean, rstd, dx, partial,
         dy_rows.stride(0), rows.stride(0), n_rows, D, 1.0 / D, rows_per_program,
-        IS_RMS=is_rms, HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, WIDE=wide,
-        BLOCK_D=block_d, num_warps=num_warps,
+        **flags, WIDE=wide, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
-    if sums:
+    _finish(partial, dw, db, programs, D, weight_grad, bias_grad)
+    return dx, dw, db
+
+
+def _finish(partial, dw, db, programs: int, D: int, weight_grad: bool, bias_grad: bool) -> None:
+    """Sum the (sums, programs, D) partials of the parameter gradients into dw and db."""
+    if weight_grad or bias_grad:
         _norm_bwd_finish_kernel[(triton.cdiv(D, _FINISH_BLOCK_D),)](
             partial, dw if weight_grad else partial, db if bias_grad else partial, programs, D,
             WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, BLOCK_P=_FINISH_BLOCK_P, BLOCK_D=_FINISH_BLOCK_D,
             num_warps=4,
         )  # fmt: skip
-    return dx, dw, db
 
 
 # --------------------------------------------------------------------------------------------------

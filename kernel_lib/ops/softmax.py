@@ -3,10 +3,11 @@
     y = exp(x - max(x)) / sum(exp(x - max(x)))                                x: (..., D)
     dx = y * (dy - sum(dy * y))                                              (sums over the last dim)
 
-Rows up to ``MAX_FUSED`` elements are held whole in registers: the kernel reads x once and writes y once,
-the fewest bytes possible. Wider rows (a 128k-entry vocabulary, say) stream through in chunks with the
-*online* softmax: one pass keeps a running maximum ``m`` and a running sum rescaled by ``exp(m_old - m_new)``
-whenever the maximum grows, a second pass reads x again and writes the result.
+Rows up to ``SPLIT_ABOVE`` elements are held whole in registers by one program: the kernel reads x once and
+writes y once, the fewest bytes possible. Wider rows (a 128k-entry vocabulary, say) are shared by a team of
+programs (``split_rows.py``), a chunk of columns each, still read once: each program reduces its chunk to a
+maximum m_l and a sum s_l of exp(x - m_l), the team meets at a barrier, and each program combines the partials
+the way the *online* softmax does, m = max_l m_l and s = sum_l s_l exp(m_l - m), then writes its chunk.
 Entries of ``-inf`` get exactly 0; a row that is all ``-inf`` gives NaN, as in PyTorch. Backward saves y, not x.
 Arithmetic is in float32; y is rounded once to x's dtype.
 
@@ -20,12 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import split_rows
 from ._utils import as_rows, check_tensor, launch_or_op, row_block_settings, use_triton
+from .split_rows import team_barrier
 
-__all__ = ["softmax", "softmax_ref", "MAX_FUSED"]
+__all__ = ["softmax", "softmax_ref", "SPLIT_ABOVE"]
 
-MAX_FUSED = 32768  # widest row held whole in registers; wider rows use the two-pass online kernel
-CHUNK = 4096  # elements per step of the online kernel
+SPLIT_ABOVE = 32768  # widest row one program holds; wider rows are shared by a team of programs
+LANE_WIDTH, LANE_WARPS = 4096, 4  # columns and warps of each program of a team
 
 
 def softmax_ref(x: torch.Tensor) -> torch.Tensor:
@@ -43,39 +46,18 @@ def _softmax_fwd_kernel(
     x_row_stride,  # elements between the starts of consecutive rows of x
     n_rows,  # number of rows
     D,  # row width
-    BLOCK_D: tl.constexpr,  # whole row (power of two >= D) when ONE_PASS, else the chunk width
-    BLOCK_M: tl.constexpr,  # rows per program (ONE_PASS only; 1 otherwise)
-    ONE_PASS: tl.constexpr,  # the row fits in registers
+    BLOCK_D: tl.constexpr,  # whole row: power of two >= D
+    BLOCK_M: tl.constexpr,  # rows per program
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2**31 elements
-    row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_D)
-    x_rows = x_ptr + rows64[:, None] * x_row_stride
-    y_rows = y_ptr + rows64[:, None] * D
-    if ONE_PASS:
-        mask = row_mask[:, None] & (cols[None, :] < D)
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
-        e = tl.exp(x - tl.max(x, axis=1)[:, None])
-        y = e / tl.sum(e, axis=1)[:, None]
-        tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        m = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)  # running maximum
-        s = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp(x - m)
-        for start in range(0, D, BLOCK_D):
-            mask = row_mask[:, None] & (start + cols[None, :] < D)
-            x = tl.load(x_rows + start + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=1))
-            # exp(-inf - -inf) is NaN: while a row has seen only -inf, keep its sum at 0.
-            rescale = tl.where(m_new == -float("inf"), 0.0, tl.exp(m - m_new))
-            shifted = tl.where(m_new[:, None] == -float("inf"), -float("inf"), x - m_new[:, None])
-            s = s * rescale + tl.sum(tl.exp(shifted), axis=1)
-            m = m_new
-        for start in range(0, D, BLOCK_D):
-            mask = row_mask[:, None] & (start + cols[None, :] < D)
-            x = tl.load(x_rows + start + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
-            y = tl.exp(x - m[:, None]) / s[:, None]
-            tl.store(y_rows + start + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    mask = (rows < n_rows)[:, None] & (cols[None, :] < D)
+    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=-float("inf"))
+    x = x.to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    y = e / tl.sum(e, axis=1)[:, None]
+    tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -86,72 +68,155 @@ def _softmax_bwd_kernel(
     dy_row_stride,  # elements between rows of dy
     n_rows,  # number of rows
     D,  # row width
-    BLOCK_D: tl.constexpr,  # whole row when ONE_PASS, else the chunk width
-    BLOCK_M: tl.constexpr,  # rows per program (ONE_PASS only; 1 otherwise)
-    ONE_PASS: tl.constexpr,  # the row fits in registers
+    BLOCK_D: tl.constexpr,  # whole row: power of two >= D
+    BLOCK_M: tl.constexpr,  # rows per program
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows64 = rows.to(tl.int64)
-    row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_D)
-    dy_rows = dy_ptr + rows64[:, None] * dy_row_stride
-    y_rows = y_ptr + rows64[:, None] * D
-    dx_rows = dx_ptr + rows64[:, None] * D
-    if ONE_PASS:
-        mask = row_mask[:, None] & (cols[None, :] < D)
-        dy = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
-        tl.store(dx_rows + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    else:
-        dot = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start in range(0, D, BLOCK_D):
-            mask = row_mask[:, None] & (start + cols[None, :] < D)
-            dy = tl.load(dy_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(y_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dot += tl.sum(dy * y, axis=1)
-        for start in range(0, D, BLOCK_D):
-            mask = row_mask[:, None] & (start + cols[None, :] < D)
-            dy = tl.load(dy_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(y_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(
-                dx_rows + start + cols[None, :],
-                (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty),
-                mask=mask,
-            )
+    mask = (rows < n_rows)[:, None] & (cols[None, :] < D)
+    dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + rows64[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
+    tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_fwd_split_kernel(
+    x_ptr,  # input, (n_rows, D) with unit stride along D
+    y_ptr,  # output, (n_rows, D) contiguous, x's dtype
+    part_ptr,  # float32 scratch, (slots, 2, LANES_P2): each lane's max, then its sum of exp(x - max)
+    count_ptr,  # (teams,) int32, zeroed: arrivals at each team's barrier (PHASE 0)
+    x_row_stride,  # elements between the starts of consecutive rows of x
+    n_rows,  # number of rows
+    D,  # row width
+    lanes,  # programs a row: lane l holds columns [l * BLOCK_D, (l + 1) * BLOCK_D)
+    teams,  # team t takes rows t, t + teams, ...; programs = teams * lanes
+    LANES_P2: tl.constexpr,  # lanes padded to a power of two
+    BLOCK_D: tl.constexpr,  # columns a lane
+    PHASE: tl.constexpr,  # 0: one launch, lanes meet at a barrier; 1: store partials; 2: read them, write y
+):
+    pid = tl.program_id(0)
+    team = pid // lanes
+    lane = pid % lanes
+    cols = lane * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    others = tl.arange(0, LANES_P2)
+    healthy = tl.full([], 1, tl.int1)  # False once a barrier gave up (split_rows.team_barrier): NaN from then
+    k = 0
+    # The next row's chunk is loaded while this row's lanes meet (software pipelining by hand)
+    x_next = tl.load(x_ptr + tl.cast(team, tl.int64) * x_row_stride + cols, mask=mask & (team < n_rows),
+                     other=-float("inf"))  # fmt: skip
+    for row in range(team, n_rows, teams):
+        row64 = tl.cast(row, tl.int64)  # row * stride overflows int32 past 2**31 elements
+        x = x_next.to(tl.float32)
+        nxt = row64 + teams
+        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < n_rows), other=-float("inf"))
+        if PHASE == 0:  # two slots a team, alternating by row (split_rows.py)
+            slot = part_ptr + (team * 2 + k % 2) * (2 * LANES_P2)
+        else:  # a slot a row
+            slot = part_ptr + row64 * (2 * LANES_P2)
+        if PHASE != 2:
+            m = tl.max(x, axis=0)
+            s = tl.sum(tl.exp(x - m), axis=0)
+            tl.store(slot + lane, m)
+            tl.store(slot + LANES_P2 + lane, tl.where(m == -float("inf"), 0.0, s))  # all -inf: NaN above
+        if PHASE == 0:
+            healthy = team_barrier(count_ptr + team, (k + 1) * lanes, healthy)
+        if PHASE != 1:
+            ms = tl.load(slot + others, mask=others < lanes, other=-float("inf"), cache_modifier=".cg")
+            ss = tl.load(slot + LANES_P2 + others, mask=others < lanes, other=0.0, cache_modifier=".cg")
+            m_row = tl.max(ms, axis=0)
+            s_row = tl.sum(tl.where(ms == -float("inf"), 0.0, ss * tl.exp(ms - m_row)), axis=0)
+            y = tl.exp(x - m_row) / s_row  # a row of -inf: 0 / 0, NaN as in PyTorch
+            y = tl.where(healthy, y, float("nan"))
+            tl.store(y_ptr + row64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        k += 1
+
+
+@triton.jit
+def _softmax_bwd_split_kernel(
+    dy_ptr,  # upstream gradient, (n_rows, D) with unit stride along D
+    y_ptr,  # forward output, (n_rows, D) contiguous
+    dx_ptr,  # output, (n_rows, D) contiguous
+    part_ptr,  # float32 scratch, (slots, LANES_P2): each lane's sum of dy * y
+    count_ptr,  # (teams,) int32, zeroed: arrivals at each team's barrier (PHASE 0)
+    dy_row_stride,  # elements between rows of dy
+    n_rows,  # number of rows
+    D,  # row width
+    lanes,  # programs a row
+    teams,  # team t takes rows t, t + teams, ...
+    LANES_P2: tl.constexpr,  # lanes padded to a power of two
+    BLOCK_D: tl.constexpr,  # columns a lane
+    PHASE: tl.constexpr,  # as in the forward
+):
+    pid = tl.program_id(0)
+    team = pid // lanes
+    lane = pid % lanes
+    cols = lane * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    others = tl.arange(0, LANES_P2)
+    healthy = tl.full([], 1, tl.int1)  # False once a barrier gave up (split_rows.team_barrier): NaN from then
+    k = 0
+    first = tl.cast(team, tl.int64)
+    dy_next = tl.load(dy_ptr + first * dy_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
+    y_next = tl.load(y_ptr + first * D + cols, mask=mask & (first < n_rows), other=0.0)
+    for row in range(team, n_rows, teams):
+        row64 = tl.cast(row, tl.int64)
+        dy = dy_next.to(tl.float32)
+        y = y_next.to(tl.float32)
+        nxt = row64 + teams
+        dy_next = tl.load(dy_ptr + nxt * dy_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
+        y_next = tl.load(y_ptr + nxt * D + cols, mask=mask & (nxt < n_rows), other=0.0)
+        if PHASE == 0:
+            slot = part_ptr + (team * 2 + k % 2) * LANES_P2
+        else:
+            slot = part_ptr + row64 * LANES_P2
+        if PHASE != 2:
+            tl.store(slot + lane, tl.sum(dy * y, axis=0))
+        if PHASE == 0:
+            healthy = team_barrier(count_ptr + team, (k + 1) * lanes, healthy)
+        if PHASE != 1:
+            dot = tl.sum(tl.load(slot + others, mask=others < lanes, other=0.0, cache_modifier=".cg"), axis=0)
+            dx = tl.where(healthy, y * (dy - dot), float("nan"))
+            tl.store(dx_ptr + row64 * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        k += 1
 
 
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
-def _settings(D: int, element_bytes: int) -> tuple[int, int, int, bool]:
-    if D <= MAX_FUSED:
-        block_d, block_m, num_warps = row_block_settings(D, element_bytes)
-        return block_d, block_m, num_warps, True
-    return CHUNK, 1, 8, False
-
-
-def _launch(kernel, inputs: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """Run ``kernel`` over the rows of ``inputs`` (the first gives the row stride; the others are contiguous) into
-    a new contiguous tensor shaped like ``like``: the forward (x -> y) and the backward (dy, y -> dx) alike."""
+def _launch(kernel, split_kernel, inputs: list[torch.Tensor], like: torch.Tensor, stats: int) -> torch.Tensor:
+    """Run the forward (x -> y) or the backward (dy, y -> dx) over the rows of ``inputs`` (the first gives the row
+    stride; the others are contiguous) into a new contiguous tensor shaped like ``like``: whole rows a program
+    up to ``SPLIT_ABOVE`` columns, else a team of programs a row (split_rows.py) with ``stats`` floats a lane."""
     rows = [as_rows(t) for t in inputs]  # (n_rows, D) each
     n_rows, D = rows[0].shape
     out = torch.empty((n_rows, D), device=like.device, dtype=like.dtype)
-    if n_rows and D:
-        block_d, block_m, num_warps, one_pass = _settings(D, like.element_size())
+    if n_rows == 0 or D == 0:
+        return out.view(like.shape)
+    if D <= SPLIT_ABOVE:
+        block_d, block_m, num_warps = row_block_settings(D, like.element_size())
         kernel[(triton.cdiv(n_rows, block_m),)](
-            *rows, out, rows[0].stride(0), n_rows, D,
-            BLOCK_D=block_d, BLOCK_M=block_m, ONE_PASS=one_pass, num_warps=num_warps,
+            *rows, out, rows[0].stride(0), n_rows, D, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=num_warps
+        )
+    else:
+        block_d = split_rows.lane_block(D, LANE_WIDTH)
+        lanes = triton.cdiv(D, block_d)
+        split_rows.launch(
+            split_kernel, lambda part, count, teams: (*rows, out, part, count, rows[0].stride(0), n_rows, D, lanes,
+                                                      teams),
+            n_rows, D, block_d, stats, dict(num_warps=LANE_WARPS), like,
         )  # fmt: skip
     return out.view(like.shape)
 
 
 def _forward(x: torch.Tensor) -> torch.Tensor:
-    return _launch(_softmax_fwd_kernel, [x], x)
+    return _launch(_softmax_fwd_kernel, _softmax_fwd_split_kernel, [x], x, stats=2)
 
 
 def _backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return _launch(_softmax_bwd_kernel, [dy, y], y)
+    return _launch(_softmax_bwd_kernel, _softmax_bwd_split_kernel, [dy, y], y, stats=1)
 
 
 # --------------------------------------------------------------------------------------------------
