@@ -148,22 +148,32 @@ def measure(ops, widths, elements, copy_gbps, element_bytes, **timing_kwargs):
     return frame.rename(columns={"ratio_to_baseline": "kernel_lib speed-up"})
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results")
-    parser.add_argument("--widths", default="512,1024,2048,4096,8192,16384")
-    parser.add_argument("--elements", type=int, default=2**27, help="rows * D for every width")
-    parser.add_argument("--ops", default="rms_norm,layer_norm,softmax,swiglu", help="comma-separated subset")
-    args = parser.parse_args()
-    env = bench.require_gpu("bench_memory_bound")
+def prepare() -> float:
+    """Let every compiled reference compile, and measure the copy ceiling: its GB/s."""
     # Each compiled reference sees every width, with and without gradients: more graphs than Dynamo's default
     # recompile limit (8), past which it would silently run eagerly (named cache_size_limit before torch 2.6).
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-
     copy_gbps = bench.copy_bandwidth()
     print(f"copy ceiling {copy_gbps:,.0f} GB/s")
+    return copy_gbps
+
+
+def arguments(doc: str, widths: str, ops: str) -> argparse.ArgumentParser:
+    """The command line this script and its neighbours share: --out, --widths, --elements, --ops."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--widths", default=widths)
+    parser.add_argument("--elements", type=int, default=2**27, help="rows * D for every width")
+    parser.add_argument("--ops", default=ops, help="comma-separated subset")
+    return parser
+
+
+def main() -> int:
+    args = arguments(__doc__, "512,1024,2048,4096,8192,16384", "rms_norm,layer_norm,softmax,swiglu").parse_args()
+    env = bench.require_gpu("bench_memory_bound")
+    copy_gbps = prepare()
     widths = [int(w) for w in args.widths.split(",")]
     ops = {op: spec for op, spec in make_ops().items() if op in args.ops.split(",")}
     frame = measure(ops, widths, args.elements, copy_gbps, DTYPE.itemsize)

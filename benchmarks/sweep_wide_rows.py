@@ -10,13 +10,11 @@ splits rows wider than 4,096 columns into lanes of W columns and N warps. Writes
 % of copy by width.
 """
 
-import argparse
 import contextlib
 import os
 import sys
 
-import torch
-from bench_memory_bound import make_ops, measure  # this folder's script
+from bench_memory_bound import arguments, make_ops, measure, prepare  # this folder's script
 
 from kernel_lib import bench
 from kernel_lib.ops import norms, softmax
@@ -66,19 +64,11 @@ def quack_impls() -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results")
-    parser.add_argument("--widths", default="4096,16384,32768,65536,131072,262144")
-    parser.add_argument("--elements", type=int, default=2**27)
-    parser.add_argument("--ops", default="rms_norm,layer_norm,softmax")
+    parser = arguments(__doc__, "4096,16384,32768,65536,131072,262144", "rms_norm,layer_norm,softmax")
     parser.add_argument("--variants", action="store_true", help="also time every lane width x warps variant")
     args = parser.parse_args()
     env = bench.require_gpu("sweep_wide_rows")
-    for name in ("recompile_limit", "cache_size_limit"):  # a compiled reference per width and pass
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 64)
-    copy_gbps = bench.copy_bandwidth()
-    print(f"copy ceiling {copy_gbps:,.0f} GB/s")
+    copy_gbps = prepare()
     widths = [int(w) for w in args.widths.split(",")]
     ops = {op: spec for op, spec in make_ops().items() if op in args.ops.split(",")}
     grads = {"rms_norm": 2, "layer_norm": 3, "softmax": 1}  # x and the parameters: the norms' dw, db too

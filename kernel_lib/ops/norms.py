@@ -53,7 +53,7 @@ from ._utils import (
     row_block_settings,
     use_triton,
 )
-from .split_rows import team_barrier
+from .split_rows import lane_of, slot_of, team_barrier
 
 __all__ = ["rms_norm", "rms_norm_ref", "RMSNorm", "add_rms_norm", "layer_norm", "layer_norm_ref", "LayerNorm"]
 
@@ -226,39 +226,19 @@ def _norm_bwd_kernel(
 
 @triton.jit
 def _norm_fwd_split_kernel(
-    x_ptr,
-    r_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    s_ptr,
-    mean_ptr,
-    rstd_ptr,  # as in _norm_fwd_kernel
+    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr,  # as in _norm_fwd_kernel
     part_ptr,  # float32 scratch, (slots, 2, LANES_P2): each lane's sum of x and sum of squares about its own mean
     # (LayerNorm), or its sum of squares (RMSNorm)
     count_ptr,  # (teams,) int32, zeroed: arrivals at each team's barrier (PHASE 0)
-    x_row_stride,
-    r_row_stride,
-    n_rows,
-    D,
-    inv_D,
-    eps,  # as in _norm_fwd_kernel
+    x_row_stride, r_row_stride, n_rows, D, inv_D, eps,  # as in _norm_fwd_kernel
     lanes,  # programs a row: lane l holds columns [l * BLOCK_D, (l + 1) * BLOCK_D)
     teams,  # team t takes rows t, t + teams, ...; programs = teams * lanes
-    IS_RMS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,  # as there
     LANES_P2: tl.constexpr,  # lanes padded to a power of two
     BLOCK_D: tl.constexpr,  # columns a lane
     PHASE: tl.constexpr,  # 0: one launch, lanes meet at a barrier; 1: store partials; 2: read them, write y
-):
-    pid = tl.program_id(0)
-    team = pid // lanes
-    lane = pid % lanes
-    cols = lane * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
-    others = tl.arange(0, LANES_P2)
+):  # fmt: skip
+    team, lane, cols, mask, others, healthy = lane_of(lanes, D, BLOCK_D, LANES_P2)
     # columns of each lane: a lane's partial sum of squares is about its own mean, combined below (Chan et al.)
     n_each = tl.minimum(tl.maximum(D - others * BLOCK_D, 0), BLOCK_D).to(tl.float32)
     n_mine = tl.minimum(D - lane * BLOCK_D, BLOCK_D).to(tl.float32)
@@ -266,7 +246,6 @@ def _norm_fwd_split_kernel(
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    healthy = tl.full([], 1, tl.int1)  # False once a barrier gave up (split_rows.team_barrier): NaN from then
     k = 0
     # The next row's chunk is loaded while this row's lanes meet (software pipelining by hand)
     first = tl.cast(team, tl.int64)
@@ -285,10 +264,7 @@ def _norm_fwd_split_kernel(
             if PHASE != 2:
                 tl.store(s_ptr + row64 * D + cols, x, mask=mask)
             x = x.to(tl.float32)
-        if PHASE == 0:  # two slots a team, alternating by row (split_rows.py)
-            slot = part_ptr + (team * 2 + k % 2) * (2 * LANES_P2)
-        else:  # a slot a row
-            slot = part_ptr + row64 * (2 * LANES_P2)
+        slot = slot_of(part_ptr, team, k, row64, 2 * LANES_P2, PHASE)
         if PHASE != 2:
             if IS_RMS:
                 tl.store(slot + lane, tl.sum(x * x, axis=0))
@@ -323,41 +299,20 @@ def _norm_fwd_split_kernel(
 
 @triton.jit
 def _norm_bwd_split_kernel(
-    dy_ptr,
-    x_ptr,
-    w_ptr,
-    mean_ptr,
-    rstd_ptr,
-    dx_ptr,  # as in _norm_bwd_kernel
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,  # as in _norm_bwd_kernel
     partial_ptr,  # output, (WEIGHT_GRAD + BIAS_GRAD, teams, D) float32: each team's dweight, then dbias
     part_ptr,  # float32 scratch, (slots, 2, LANES_P2): each lane's sum of g * xhat, then of g (LayerNorm)
     count_ptr,  # (teams,) int32, zeroed: arrivals at each team's barrier (PHASE 0)
-    dy_row_stride,
-    x_row_stride,
-    n_rows,
-    D,
-    inv_D,  # as in _norm_bwd_kernel
-    lanes,  # programs a row
-    teams,  # team t takes rows t, t + teams, ...
-    IS_RMS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    WEIGHT_GRAD: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,
-    LANES_P2: tl.constexpr,  # lanes padded to a power of two
-    BLOCK_D: tl.constexpr,  # columns a lane
-    PHASE: tl.constexpr,  # as in the forward
-):
-    pid = tl.program_id(0)
-    team = pid // lanes
-    lane = pid % lanes
-    cols = lane * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
-    others = tl.arange(0, LANES_P2)
+    dy_row_stride, x_row_stride, n_rows, D, inv_D,  # as in _norm_bwd_kernel
+    lanes, teams,  # programs a row; team t takes rows t, t + teams, ...
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr,  # as there
+    LANES_P2: tl.constexpr, BLOCK_D: tl.constexpr, PHASE: tl.constexpr,  # as in the forward
+):  # fmt: skip
+    team, lane, cols, mask, others, healthy = lane_of(lanes, D, BLOCK_D, LANES_P2)
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # this team's rows, this lane's columns
     db_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    healthy = tl.full([], 1, tl.int1)  # False once a barrier gave up (split_rows.team_barrier): NaN from then
     k = 0
     first = tl.cast(team, tl.int64)
     x_next = tl.load(x_ptr + first * x_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
@@ -375,10 +330,7 @@ def _norm_bwd_split_kernel(
         else:
             xhat = tl.where(mask, (x - tl.load(mean_ptr + row64)) * rstd, 0.0)
         g = dy * w if HAS_WEIGHT else dy
-        if PHASE == 0:
-            slot = part_ptr + (team * 2 + k % 2) * (2 * LANES_P2)
-        else:
-            slot = part_ptr + row64 * (2 * LANES_P2)
+        slot = slot_of(part_ptr, team, k, row64, 2 * LANES_P2, PHASE)
         if PHASE != 2:
             tl.store(slot + lane, tl.sum(g * xhat, axis=0))
             if not IS_RMS:

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import split_rows
 from ._utils import as_rows, check_tensor, launch_or_op, row_block_settings, use_triton
-from .split_rows import team_barrier
+from .split_rows import lane_of, slot_of, team_barrier
 
 __all__ = ["softmax", "softmax_ref", "SPLIT_ABOVE"]
 
@@ -96,13 +96,7 @@ def _softmax_fwd_split_kernel(
     BLOCK_D: tl.constexpr,  # columns a lane
     PHASE: tl.constexpr,  # 0: one launch, lanes meet at a barrier; 1: store partials; 2: read them, write y
 ):
-    pid = tl.program_id(0)
-    team = pid // lanes
-    lane = pid % lanes
-    cols = lane * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
-    others = tl.arange(0, LANES_P2)
-    healthy = tl.full([], 1, tl.int1)  # False once a barrier gave up (split_rows.team_barrier): NaN from then
+    team, lane, cols, mask, others, healthy = lane_of(lanes, D, BLOCK_D, LANES_P2)
     k = 0
     # The next row's chunk is loaded while this row's lanes meet (software pipelining by hand)
     x_next = tl.load(x_ptr + tl.cast(team, tl.int64) * x_row_stride + cols, mask=mask & (team < n_rows),
@@ -112,10 +106,7 @@ def _softmax_fwd_split_kernel(
         x = x_next.to(tl.float32)
         nxt = row64 + teams
         x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < n_rows), other=-float("inf"))
-        if PHASE == 0:  # two slots a team, alternating by row (split_rows.py)
-            slot = part_ptr + (team * 2 + k % 2) * (2 * LANES_P2)
-        else:  # a slot a row
-            slot = part_ptr + row64 * (2 * LANES_P2)
+        slot = slot_of(part_ptr, team, k, row64, 2 * LANES_P2, PHASE)
         if PHASE != 2:
             m = tl.max(x, axis=0)
             s = tl.sum(tl.exp(x - m), axis=0)
@@ -150,13 +141,7 @@ def _softmax_bwd_split_kernel(
     BLOCK_D: tl.constexpr,  # columns a lane
     PHASE: tl.constexpr,  # as in the forward
 ):
-    pid = tl.program_id(0)
-    team = pid // lanes
-    lane = pid % lanes
-    cols = lane * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
-    others = tl.arange(0, LANES_P2)
-    healthy = tl.full([], 1, tl.int1)  # False once a barrier gave up (split_rows.team_barrier): NaN from then
+    team, lane, cols, mask, others, healthy = lane_of(lanes, D, BLOCK_D, LANES_P2)
     k = 0
     first = tl.cast(team, tl.int64)
     dy_next = tl.load(dy_ptr + first * dy_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
@@ -168,10 +153,7 @@ def _softmax_bwd_split_kernel(
         nxt = row64 + teams
         dy_next = tl.load(dy_ptr + nxt * dy_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
         y_next = tl.load(y_ptr + nxt * D + cols, mask=mask & (nxt < n_rows), other=0.0)
-        if PHASE == 0:
-            slot = part_ptr + (team * 2 + k % 2) * LANES_P2
-        else:
-            slot = part_ptr + row64 * LANES_P2
+        slot = slot_of(part_ptr, team, k, row64, LANES_P2, PHASE)
         if PHASE != 2:
             tl.store(slot + lane, tl.sum(dy * y, axis=0))
         if PHASE == 0:

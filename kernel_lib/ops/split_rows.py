@@ -34,9 +34,30 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["team_barrier", "resident_programs", "Plan", "plan", "lane_block", "launch"]
+__all__ = ["lane_of", "slot_of", "team_barrier", "resident_programs", "Plan", "plan", "lane_block", "launch"]
 
 MAX_POLLS = tl.constexpr(1 << 22)  # seconds of polling an L2 atomic: far past any real wait
+
+
+@triton.jit
+def lane_of(lanes, D, BLOCK_D: tl.constexpr, LANES_P2: tl.constexpr):
+    """This program's team and lane; the lane's columns of every row and their mask (columns < D); the offsets of
+    the team's LANES_P2 partial slots; and the team's health, True until a barrier gives up."""
+    pid = tl.program_id(0)
+    lane = pid % lanes
+    cols = lane * BLOCK_D + tl.arange(0, BLOCK_D)
+    return pid // lanes, lane, cols, cols < D, tl.arange(0, LANES_P2), tl.full([], 1, tl.int1)
+
+
+@triton.jit
+def slot_of(part_ptr, team, k, row, WIDTH: tl.constexpr, PHASE: tl.constexpr):
+    """Where the partials of a team's k-th row (``row``) go, WIDTH floats a slot: with barriers (PHASE 0), two
+    slots a team, alternating by row; in two launches, a slot a row."""
+    if PHASE == 0:
+        slot = part_ptr + (team * 2 + k % 2) * WIDTH
+    else:
+        slot = part_ptr + row * WIDTH
+    return slot
 
 
 @triton.jit
