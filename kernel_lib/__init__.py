@@ -25,6 +25,7 @@ from .ops.attention import (
     flash_attention_varlen,
 )
 from .ops.cross_entropy import cross_entropy, cross_entropy_ref
+from .ops.decode_attention import decode_attention, decode_attention_ref
 from .ops.grouped_mm import grouped_mm, grouped_mm_ref
 from .ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from .ops.moe import MoE, moe, moe_ref
@@ -43,6 +44,8 @@ __all__ = [
     "attention_ref",
     "attention_varlen_ref",
     "MultiHeadAttention",
+    "decode_attention",
+    "decode_attention_ref",
     "cross_entropy",
     "cross_entropy_ref",
     "grouped_mm",
