@@ -30,6 +30,7 @@ from .ops.grouped_mm import grouped_mm, grouped_mm_ref
 from .ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from .ops.moe import MoE, moe, moe_ref
 from .ops.norms import LayerNorm, RMSNorm, add_rms_norm, layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
+from .ops.quantized_linear import QuantizedLinear, int4_linear, int8_linear, quantize_
 from .ops.rope import rope, rope_cos_sin, rope_ref, rope_to_cache, rope_to_cache_ref
 from .ops.softmax import softmax, softmax_ref
 from .ops.swiglu import geglu, geglu_ref, swiglu, swiglu_linear, swiglu_ref
@@ -55,6 +56,10 @@ __all__ = [
     "moe",
     "moe_ref",
     "MoE",
+    "int8_linear",
+    "int4_linear",
+    "QuantizedLinear",
+    "quantize_",
     "rms_norm",
     "rms_norm_ref",
     "add_rms_norm",

@@ -4,8 +4,8 @@ Importing a module here gives the module (``from kernel_lib.ops import softmax``
 kernels and reference), while ``kernel_lib.softmax`` is the function. Every file needs ``_utils.py`` beside it; a
 few need siblings too. To use a kernel in your project, copy these files into one package folder:
 
-* ``swiglu.py``, ``rope.py``, ``cross_entropy.py``, ``grouped_mm.py``, ``decode_attention.py``: with ``_utils.py``
-  alone;
+* ``swiglu.py``, ``rope.py``, ``cross_entropy.py``, ``grouped_mm.py``, ``decode_attention.py``,
+  ``quantized_linear.py``: with ``_utils.py`` alone;
 * ``norms.py``, ``softmax.py``: with ``_utils.py`` and ``split_rows.py`` (rows too wide for one program shared by
   a team of programs);
 * ``linear_cross_entropy.py``: with ``_utils.py`` and ``cross_entropy.py``;
@@ -28,5 +28,6 @@ COMPANIONS = {
     "attention.py": ("attention_kernels.py", "attention_hopper.py", "rope.py"),
     "grouped_mm.py": (),
     "decode_attention.py": (),
+    "quantized_linear.py": (),
     "moe.py": ("grouped_mm.py", "swiglu.py"),
 }

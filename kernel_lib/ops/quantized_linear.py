@@ -1,0 +1,259 @@
+"""Weight-only quantized linear layers for decoding in Triton: int8 per output channel, int4 in groups.
+
+    int8:  W[n, k] ~ scale[n] * q[n, k]                        q in [-127, 127],  scale[n] = max_k |W[n, k]| / 127
+    int4:  W[n, k] ~ scale[n, g] * (q[n, k] - zero[n, g])      q in [0, 15],  g = k // group  (asymmetric)
+
+    y = x @ W^T (+ bias)          x (..., K) in float16 / bfloat16 / float32, W (N, K) quantized
+
+Decoding one token reads every weight of the model once per step and does two FLOPs per weight: its time is the
+weights' bytes over the memory bandwidth. int8 halves those bytes against bfloat16, int4 quarters them (plus one
+scale and one zero point a group). The kernel loads the quantized tile, dequantizes it in registers and feeds the
+tensor cores in x's dtype, so nothing but the small integers and the scales comes from memory. Two int4 values share
+a byte, the even column in the low nibble. int8's scale multiplies the accumulator once at the end (one scale a
+row); int4's scales and zero points change every ``group`` columns, so they are applied to the tile.
+
+Rounding is to nearest. Quantization error: at most scale / 2 a weight (int8: max |W[n]| / 254; int4: the group's
+range / 30); the kernel's own error is float32 accumulation. Inference only (no autograd).
+
+Registered as the ``kernel_lib::int8_linear`` and ``kernel_lib::int4_linear`` custom ops with fake
+implementations, so ``torch.compile(fullgraph=True)`` traces through them. Sources: Dettmers et al., "LLM.int8()"
+(2022) for per-channel absmax scales; Frantar et al., "GPTQ" (2023) and torchao's int4 weight-only layout for
+group-wise asymmetric int4 (this file's packing is its own).
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import as_rows, check_same_device, check_tensor, is_interpreting, launch_or_op, use_triton
+
+__all__ = [
+    "quantize_int8",
+    "quantize_int4",
+    "dequantize_int8",
+    "dequantize_int4",
+    "int8_linear",
+    "int4_linear",
+    "QuantizedLinear",
+    "quantize_",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantizers and their inverses (the references)
+# --------------------------------------------------------------------------------------------------
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 (N, K), scale float32 (N,)) with weight ~ scale[:, None] * q; a zero row gets scale 1."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.to(torch.float32) * scale[:, None]
+
+
+def quantize_int4(weight: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 (N, K / 2), scale float32 (N, K / group), zero float32 (N, K / group)) with weight ~
+    scale * (q - zero) group by group: scale = (max - min) / 15, zero = -min / scale (kept as a float, so the 16
+    levels run from the group's min to its max); q in [0, 15], two a byte (even column low). ``group`` a multiple
+    of 16 (the kernel's smallest step along K) dividing K."""
+    N, K = weight.shape
+    if group % 16 or K % group:
+        raise ValueError(f"int4 needs a group that is a multiple of 16 and divides K: K = {K}, group = {group}")
+    w = weight.detach().float().reshape(N, K // group, group)
+    low, high = w.amin(dim=2), w.amax(dim=2)
+    scale = (high - low) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = -low / scale  # a float: the 16 levels span exactly [low, high], so no weight is clipped
+    q = torch.round(w / scale[..., None] + zero[..., None]).clamp(0, 15).to(torch.uint8).reshape(N, K)
+    return q[:, 0::2] | (q[:, 1::2] << 4), scale, zero
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    N = packed.shape[0]
+    q = torch.stack((packed & 15, packed >> 4), dim=2).reshape(N, -1).float()
+    group = q.shape[1] // scale.shape[1]
+    return (q.reshape(N, -1, group) - zero[..., None]).mul(scale[..., None]).reshape(N, -1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _quantized_linear_kernel(
+    x_ptr,  # (M, K) activations, unit stride along K
+    w_ptr,  # int8 (N, K) (BITS 8) or uint8 (N, K / 2) (BITS 4), contiguous
+    scale_ptr,  # float32 (N,) (BITS 8) or (N, K / GROUP) (BITS 4)
+    zero_ptr,  # float32 (N, K / GROUP) (BITS 4; unused for 8)
+    bias_ptr,  # (N,) in x's dtype; unused unless HAS_BIAS
+    y_ptr,  # output (M, N), contiguous, x's dtype
+    M, N, K,  # rows of x, output features, input features
+    sxm,  # x's row stride
+    BITS: tl.constexpr,  # 8 or 4
+    GROUP: tl.constexpr,  # columns a scale and zero point (BITS 4), a multiple of BLOCK_K
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # tile of y, and of K a step
+    DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter's bf16 dot is wrong)
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * sxm + offs_k[None, :],
+                    mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)  # fmt: skip
+        tile = n_mask[:, None] & k_mask[None, :]
+        if BITS == 8:
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], mask=tile, other=0).to(tl.float32)
+        else:  # a byte holds columns 2j (low nibble) and 2j + 1: each byte is read for both (from L1 the second time)
+            byte = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + offs_k[None, :] // 2, mask=tile, other=0)
+            nibble = tl.where(offs_k[None, :] % 2 == 0, byte & 15, byte >> 4).to(tl.float32)
+            group = offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP  # BLOCK_K divides GROUP: one group a step
+            zero = tl.load(zero_ptr + group, mask=n_mask, other=0.0)
+            w = (nibble - zero[:, None]) * tl.load(scale_ptr + group, mask=n_mask, other=0.0)[:, None]
+        if DOT_FP32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w))
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if BITS == 8:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & n_mask[None, :])  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+def _forward(x, weight, scale, zero, bias, bits: int, group: int) -> torch.Tensor:
+    rows = as_rows(x)
+    M, K = rows.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M and N:
+        interpreted = is_interpreting()
+        block_m = 16 if M <= 16 else 64
+        block_n, block_k = (16, 16) if interpreted else (64, 128 if bits == 8 else min(128, group & -group))
+        _quantized_linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+            rows, weight, scale, zero if zero is not None else scale, bias if bias is not None else y, y, M, N, K,
+            rows.stride(0), BITS=bits, GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, DOT_FP32=interpreted, num_warps=4 if block_m == 16 else 8,  # 4 warps spill at 64 rows
+        )  # fmt: skip
+    return y.view(*x.shape[:-1], N)
+
+
+@torch.library.custom_op("kernel_lib::int8_linear", mutates_args=())
+def _int8_linear_op(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    return _forward(x, q, scale, None, bias, 8, 1)
+
+
+@_int8_linear_op.register_fake
+def _(x, q, scale, bias):
+    return x.new_empty((*x.shape[:-1], q.shape[0]))
+
+
+@torch.library.custom_op("kernel_lib::int4_linear", mutates_args=())
+def _int4_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    return _forward(x, packed, scale, zero, bias, 4, 2 * packed.shape[1] // scale.shape[1])
+
+
+@_int4_linear_op.register_fake
+def _(x, packed, scale, zero, bias):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Functional API and module
+# --------------------------------------------------------------------------------------------------
+def _check(x, weight, scale, bias, K: int, dtype: torch.dtype) -> None:
+    check_tensor(x, "x", min_ndim=1)
+    check_tensor(weight, "weight", dtypes=(dtype,), ndim=2)
+    check_tensor(scale, "scale", dtypes=(torch.float32,))
+    if bias is not None:
+        check_tensor(bias, "bias", dtypes=(x.dtype,), ndim=1)
+    check_same_device(x=x, weight=weight, scale=scale, bias=bias)
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {K}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("quantized linear layers are for inference (no autograd): call them under torch.no_grad()")
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    """x @ (scale[:, None] * q)^T (+ bias) with q int8 (N, K) and scale float32 (N,) from :func:`quantize_int8`."""
+    _check(x, q, scale, bias, q.shape[1], torch.int8)
+    if not use_triton(x, op="int8_linear"):  # CPU without the interpreter: the reference
+        y = x.float() @ dequantize_int8(q, scale).T
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    return launch_or_op(lambda *a: _forward(*a[:3], None, a[3], 8, 1), _int8_linear_op)(x, q, scale, bias)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                bias: Optional[torch.Tensor] = None):  # fmt: skip
+    """x @ W^T (+ bias) with W stored as :func:`quantize_int4` packs it: packed uint8 (N, K / 2), scale and zero
+    float32 (N, K / group)."""
+    _check(x, packed, scale, bias, 2 * packed.shape[1], torch.uint8)
+    check_tensor(zero, "zero", dtypes=(torch.float32,))
+    if zero.shape != scale.shape or packed.shape[0] != scale.shape[0] or (2 * packed.shape[1]) % scale.shape[1]:
+        raise ValueError(f"packed {tuple(packed.shape)}, scale {tuple(scale.shape)} and zero {tuple(zero.shape)} "
+                         "do not describe one int4 weight")  # fmt: skip
+    group = 2 * packed.shape[1] // scale.shape[1]
+    if not use_triton(x, op="int4_linear"):
+        y = x.float() @ dequantize_int4(packed, scale, zero).T
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    launch = lambda *a: _forward(*a[:4], a[4], 4, group)  # noqa: E731
+    return launch_or_op(launch, _int4_linear_op)(x, packed, scale, zero, bias)
+
+
+class QuantizedLinear(torch.nn.Module):
+    """An ``nn.Linear`` whose weight is stored in int8 (per output channel) or int4 (groups), for inference."""
+
+    def __init__(self, linear: torch.nn.Linear, bits: int = 8, group: int = 128):
+        super().__init__()
+        if bits not in (8, 4):
+            raise ValueError(f"bits must be 8 or 4, got {bits}")
+        self.bits, self.group = bits, group
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if bits == 8:
+            q, scale = quantize_int8(linear.weight)
+            self.register_buffer("zero", None)
+        else:
+            q, scale, zero = quantize_int4(linear.weight, group)
+            self.register_buffer("zero", zero)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bits == 8:
+            return int8_linear(x, self.qweight, self.scale, self.bias)
+        return int4_linear(x, self.qweight, self.scale, self.zero, self.bias)
+
+    def extra_repr(self) -> str:
+        group = "" if self.bits == 8 else f", group={self.group}"
+        return f"{self.in_features}, {self.out_features}, bits={self.bits}{group}, bias={self.bias is not None}"
+
+
+def quantize_(model: torch.nn.Module, bits: int = 8, group: int = 128, skip=("lm_head",)) -> torch.nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` in place by a :class:`QuantizedLinear` (int4: those whose input
+    features ``group`` divides), except modules whose qualified name ends with an entry of ``skip`` (the output
+    projection by default). Returns the model."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if not isinstance(child, torch.nn.Linear) or any(full.endswith(s) for s in skip):
+                continue
+            if bits == 4 and child.in_features % group:
+                continue
+            setattr(module, child_name, QuantizedLinear(child, bits, group))
+    return model
