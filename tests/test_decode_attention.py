@@ -49,6 +49,7 @@ def check_case(B, Hq, Hkv, n, L, D, Dv, lengths, dtype, device, as_tensor=True):
         (2, 2, 2, 3, 96, 40, 24, [50, 96]),  # three queries a step (speculative); D, Dv apart and padded
         (1, 8, 2, 4, 64, 16, 16, [3]),  # fewer keys than queries: the first query sees nothing (0)
         (3, 2, 1, 1, 40, 32, 32, [0]),  # no keys at all: zeros
+        (1, 2, 1, 1, 0, 32, 32, [0]),  # a cache of no positions
     ],
     ids=str,
 )

@@ -92,6 +92,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # keys a step
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # D and Dv padded to powers of two
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter's bf16 dot is wrong)
+    PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 inputs (not TF32), else "tf32"
 ):  # fmt: skip
     bh = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -125,14 +126,14 @@ def _decode_split_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where((keys[None, :] <= position[:, None]) & (keys[None, :] < hi), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     part = bh.to(tl.int64) * tl.num_programs(1) + chunk
     tl.store(acc_ptr + (part * BLOCK_R + rows[:, None]) * BLOCK_DV + cols_v[None, :], acc)
@@ -187,6 +188,8 @@ def _forward(q, k, v, kv_len, scale):
     out = torch.empty((B, Hq, n, Dv), device=q.device, dtype=q.dtype)
     if out.numel() == 0:
         return out
+    if L == 0:  # an empty cache: no query sees a key
+        return out.zero_()
     interpreted = is_interpreting()
     block_r = max(16, triton.next_power_of_2(group * n))
     block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
@@ -199,6 +202,7 @@ def _forward(q, k, v, kv_len, scale):
         q, k, v, kv_len, acc, ml, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], Hkv, n, group, L, per_chunk,
         scale * LOG2E, D, Dv,
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, DOT_FP32=interpreted,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # 4 warps spill at head dim 128 (255 registers, ptxas for sm_90a); 2 stages keep D 256 in 100 KB of smem
         num_warps=8 if wide else 4, num_stages=1 if interpreted else (2 if max(block_d, block_dv) > 128 else 3),
     )  # fmt: skip

@@ -224,7 +224,7 @@ def _norm_bwd_kernel(
         tl.store(partial_ptr + db_row * D + cols, db_acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "lanes", "teams"])  # the residency estimate holds
 def _norm_fwd_split_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr,  # as in _norm_fwd_kernel
     part_ptr,  # float32 scratch, (slots, 2, LANES_P2): each lane's sum of x and sum of squares about its own mean
@@ -297,7 +297,7 @@ def _norm_fwd_split_kernel(
         k += 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "lanes", "teams"])  # the residency estimate holds
 def _norm_bwd_split_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,  # as in _norm_bwd_kernel
     partial_ptr,  # output, (WEIGHT_GRAD + BIAS_GRAD, teams, D) float32: each team's dweight, then dbias

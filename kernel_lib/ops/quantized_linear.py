@@ -119,6 +119,8 @@ def _quantized_linear_kernel(
             w = (nibble - zero[:, None]) * tl.load(scale_ptr + group, mask=n_mask, other=0.0)[:, None]
         if DOT_FP32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w))
+        elif x.dtype == tl.float32:  # float32 activations: full precision, not TF32
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     if BITS == 8:

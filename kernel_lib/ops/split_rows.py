@@ -18,8 +18,8 @@ holds at one time (``resident_programs``: from the compiled kernel's registers, 
 teams loop over rows (team t takes rows t, t + teams, ...). A team's counter only grows: its k-th row waits for
 (k + 1) * LANES arrivals. Its slots alternate between two: a lane is never more than one row ahead of the
 slowest lane, which has read the older slot before it arrives at the next row. A wait that never ends (a bug,
-or a GPU shared with a kernel that never yields its SMs) gives up after 2^22 polls (seconds) and the lane
-writes NaN for that row and every later one instead of hanging.
+or a GPU shared with a kernel that never yields its SMs) gives up after 2^22 polls (seconds), marks the team's
+counter, and from then every lane of the team writes NaN for its rows instead of hanging.
 
 Under Triton's interpreter programs run one after another, so a barrier would wait forever: there, and on a
 GPU when a row needs more lanes than the GPU holds programs, the same kernels run in two launches (PHASE 1
@@ -37,6 +37,7 @@ import triton.language as tl
 __all__ = ["lane_of", "slot_of", "team_barrier", "resident_programs", "Plan", "plan", "lane_block", "launch"]
 
 MAX_POLLS = tl.constexpr(1 << 22)  # seconds of polling an L2 atomic: far past any real wait
+POISON = tl.constexpr(1 << 30)  # set in a team's counter when a lane gave up; arrivals stay far below it
 
 
 @triton.jit
@@ -62,9 +63,10 @@ def slot_of(part_ptr, team, k, row, WIDTH: tl.constexpr, PHASE: tl.constexpr):
 
 @triton.jit
 def team_barrier(count_ptr, target, healthy):
-    """Arrive at a team's counter and wait until it reaches ``target``. Returns whether the team is still healthy:
-    False once a wait gave up (then, ``healthy`` False, later calls arrive without waiting: a team that lost a
-    lane loses it for good, and its rows are written as NaN quickly rather than each after a long wait)."""
+    """Arrive at a team's counter and wait until it reaches ``target``. Returns whether the team is still healthy.
+    A lane whose wait gives up sets the counter's POISON bit: every lane of the team then sees it, stops waiting
+    at this and every later barrier, and writes NaN (a lane that gave up must not let its later arrivals count
+    for a row it never reached)."""
     tl.debug_barrier()  # every thread's stores of this lane's partials come before its arrival
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
     seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
@@ -72,7 +74,9 @@ def team_barrier(count_ptr, target, healthy):
     while (seen < target) & (polls < MAX_POLLS) & healthy:
         seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
         polls += 1
-    return healthy & (seen >= target)
+    if healthy & (seen < target):  # gave up
+        tl.atomic_or(count_ptr, POISON, sem="relaxed", scope="gpu")
+    return healthy & (seen >= target) & (seen < POISON)
 
 
 def _occupancy(compiled, device: torch.device) -> int:
@@ -97,9 +101,10 @@ def resident_programs(kernel, args: tuple, kwargs: dict, key: tuple, device: tor
     """How many programs of ``kernel`` (launched with these arguments) the whole GPU holds at one time.
 
     Compiles the kernel for these arguments (``warmup``; Triton's cache makes later launches free) and reads
-    its resources; remembered under ``key`` (what decides them: dtype, constexprs). One program per SM when
+    its resources; remembered under ``key`` (the kernel and its constexprs) and what Triton specializes the
+    arguments on. One program per SM when
     the compiled kernel cannot be inspected (a Triton without these fields): always resident."""
-    key = (key, device.index)
+    key = (key, device.index, tuple(_specialization(a) for a in args))
     if key not in _resident:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         try:
@@ -108,6 +113,17 @@ def resident_programs(kernel, args: tuple, kwargs: dict, key: tuple, device: tor
             per_sm = 1
         _resident[key] = per_sm * sms
     return _resident[key]
+
+
+def _specialization(arg):
+    """What Triton compiles differently for an argument: a tensor's dtype and 16-byte alignment, an integer's
+    divisibility by 16, its being 1 and its needing 64 bits (the split kernels do not specialize on n_rows,
+    lanes and teams)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int):
+        return arg % 16 == 0, arg == 1, arg >= 2**31
+    return type(arg)
 
 
 class Plan(NamedTuple):
