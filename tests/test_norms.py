@@ -87,9 +87,11 @@ SHAPES = [  # both norms
     (7, 4096),  # a model-sized row, one row per program
     (4, 5121),  # wide and odd: masked tail of an 8192 block
     (257, 64),  # narrow rows packed several to a program; 257 not a multiple of the pack
-    (2, 16384),  # wider than WIDE_ROW: the backward's loop without prefetch, weight re-read each row
-    (2, 16385),  # wider than BWD_SPLIT_ABOVE: one program a row forward, a team of 5 programs backward
-    (2, 32769),  # wider than SPLIT_ABOVE: teams of 5 or 9 programs a row, the last with one column
+]
+WIDE = [  # both norms, in bf16 alone (every dtype takes these paths at small widths in the split tests below)
+    (1, 16384),  # wider than WIDE_ROW: the backward's loop without prefetch, weight re-read each row
+    (1, 16385),  # wider than BWD_SPLIT_ABOVE: one program a row forward, a team of 5 programs backward
+    (1, 32769),  # wider than SPLIT_ABOVE: teams of 5 or 9 programs a row, the last with one column
 ]
 ONE_COLUMN = [  # D = 1, a case per norm: rstd = 1/sqrt(eps) amplifies any error
     ("rms", (1, 1)),  # one element: the mean of one square
@@ -112,6 +114,11 @@ def _args(norm, shape, dtype, device, layout="contiguous", weight=True, bias=Tru
 )
 def test_forward_backward(device, norm, shape, dtype, atol, rtol):
     check_forward_backward(norm.fn, norm.ref, _args(norm, shape, dtype, device), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("shape", WIDE, ids=str)
+def test_wide_rows(device, norm, shape):
+    check_forward_backward(norm.fn, norm.ref, _args(norm, shape, torch.bfloat16, device), atol=1e-2)
 
 
 @pytest.mark.parametrize("layout", ["transposed", "sliced"])
