@@ -47,7 +47,9 @@ def variant(fn, **values):
 
 
 def quack_impls() -> dict:
-    """QuACK's forwards with autograd, by op, when ``quack-kernels`` imports; else nothing."""
+    """QuACK's forwards with autograd, by op, when ``quack-kernels`` imports; else nothing. The function names and
+    arguments are assumed, not yet tried against an installed QuACK (it was not installed in any run so far): a
+    mismatch fails the sweep's check loudly rather than timing something else."""
     try:
         import quack
     except Exception as error:  # noqa: BLE001 - any failure to import means: not measured
