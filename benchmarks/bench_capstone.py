@@ -36,12 +36,13 @@ versions) as soon as it finishes, so a run killed later keeps what finished, and
   and values), as in the stored runs: 1.21B parameters. 32 and 8 is the 1.1B Llama of the goal (heads of 64,
   grouped-query attention): 1.11B, and a quarter of the KV cache per token. Converted with ``to_hf_llama``. For
   batches ``--decode-batches`` (1 and 16), 128 new tokens after a 64-token prompt of the corpus: our
-  GraphedDecoder (kernel_lib and native), our eager ``greedy`` with the cache (kernel_lib and native), Hugging
-  Face ``generate`` with its dynamic cache (eager) and with ``cache_implementation="static"`` (it compiles its
-  decode step itself). A generation is timed whole with ``bench.time_fn`` after an untimed first one (compile,
+  GraphedDecoder (kernel_lib and native, and kernel_lib with its linears in int8 or int4 weights by
+  ``kernel_lib.quantize_``, group 128, the output head kept bf16: ``--decode-quantized``), our eager ``greedy`` with
+  the cache (kernel_lib and native), Hugging Face ``generate`` with its dynamic cache (eager) and with
+  ``cache_implementation="static"`` (it compiles its decode step itself); ``--decoders`` runs a subset. A generation is timed whole with ``bench.time_fn`` after an untimed first one (compile,
   capture); time to first token (TTFT) is a generation of one token; decode tokens/s = batch x 127 / (generation
   - TTFT), against the bandwidth limit: the copy ceiling measured in the same run over the bytes each step must
-  read (every weight once, the KV cache up to the position). Token identity: the first 64 new tokens of each
+  read (every weight once, in its stored format, the KV cache up to the position). Token identity: the first 64 new tokens of each
   decoder against its reference (graphed against eager of the same version, HF against our native eager), as the
   shortest common prefix over the batch. Prefill: tokens/s of a ``--prefill-len`` prompt at batch 1.
 
@@ -55,6 +56,7 @@ run eagerly, and the output says so. It is a smoke test of this script, not a me
 """
 
 import argparse
+import copy
 import dataclasses
 import math
 import os
@@ -107,6 +109,7 @@ from kernel_lib.models import (  # noqa: E402
     train_val_split,
     transfer_weights,
 )
+from kernel_lib.ops.quantized_linear import quantize_  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # Sizes and setup
@@ -372,6 +375,9 @@ def phase_decode(ctx: Context, rows: list[dict]) -> None:
         transfer_weights(source, models[impl])
     del source
     hf = to_hf_llama(models["native"])
+    quantized = {}  # bits -> a copy of the kernel_lib model with int8 / int4 linears (the output head kept bf16)
+    for bits in [int(b) for b in args.decode_quantized.split(",") if b]:
+        quantized[bits] = quantize_(copy.deepcopy(models["kernel_lib"]), bits=bits, group=128, skip=("head",))
     copy_gbps = bench.copy_bandwidth(device=device.type)
     timing = dict(warmup_ms=args.rep_ms / 5, rep_ms=args.rep_ms, flush_l2=False, device=device.type)
     graphs_note = "" if device.type == "cuda" else "no GPU: the graph's step runs eagerly"
@@ -383,14 +389,28 @@ def phase_decode(ctx: Context, rows: list[dict]) -> None:
         prompt = fixed_batch(ctx.tokens, B, P, seed=args.seed, device=device)[0]
         limit = decode_limit(models["kernel_lib"], B, P, N, copy_gbps)
         graphed = {impl: GraphedDecoder(models[impl], B, P + N) for impl in models}
+        limits = {}  # decoder -> its own bandwidth limit, where its weights are not bf16
+        for bits, model in quantized.items():
+            graphed[f"int{bits}"] = GraphedDecoder(model, B, P + N)
+            limits[f"ours: kernel_lib int{bits}, CUDA graphs"] = decode_limit(model, B, P, N, copy_gbps)
         decoders = {  # name -> (generate(prompt, new_tokens), the decoder whose tokens it must repeat)
             "ours: kernel_lib, CUDA graphs": (graphed["kernel_lib"].generate, "ours: kernel_lib, eager"),
+            **{
+                f"ours: kernel_lib int{bits}, CUDA graphs": (
+                    graphed[f"int{bits}"].generate,
+                    "ours: kernel_lib, CUDA graphs",
+                )
+                for bits in quantized
+            },
             "ours: native, CUDA graphs": (graphed["native"].generate, "ours: native, eager"),
             "ours: kernel_lib, eager": (partial(greedy, models["kernel_lib"]), "ours: native, eager"),
             "ours: native, eager": (partial(greedy, models["native"]), "HF: dynamic cache, eager"),
             "HF: dynamic cache, eager": (partial(hf_generate, hf, static=False), "ours: native, eager"),
             "HF: static cache, compiled": (partial(hf_generate, hf, static=True), "HF: dynamic cache, eager"),
         }
+        if args.decoders:  # a subset, by parts of their names; identity is checked where the reference ran too
+            wanted = [w.strip() for w in args.decoders.split(",")]
+            decoders = {name: d for name, d in decoders.items() if any(w in name for w in wanted)}
         outputs, batch_rows = {}, []
         for name, (generate, _) in decoders.items():
             outputs[name] = generate(prompt, N)  # the first call compiles and captures: not timed
@@ -403,17 +423,19 @@ def phase_decode(ctx: Context, rows: list[dict]) -> None:
                 "phase": "decode", "decoder": name, "kv_heads": config.n_kv_heads, "batch": B, "prompt_len": P,
                 "new_tokens": N,
                 "generation_ms": total, "tokens_per_s": B * N / total * 1e3, "ttft_ms": ttft,
-                "decode_tokens_per_s": decode_tps, "limit_tokens_per_s": limit, "pct_of_limit": decode_tps / limit,
+                "decode_tokens_per_s": decode_tps, "limit_tokens_per_s": limits.get(name, limit),
+                "pct_of_limit": decode_tps / limits.get(name, limit),
                 "copy_gbps": copy_gbps, "note": note,
             })  # fmt: skip
             print(f"  batch {B:3d}  {name:<30} {B * N / total * 1e3:10,.0f} tokens/s  TTFT {ttft:8.2f} ms", flush=True)
-        hf_static = next(r for r in batch_rows if r["decoder"] == "HF: static cache, compiled")["tokens_per_s"]
+        hf_static = next((r["tokens_per_s"] for r in batch_rows if r["decoder"] == "HF: static cache, compiled"), None)
         n_check = min(IDENTICAL_TOKENS, N)
         for row in batch_rows:
             reference = decoders[row["decoder"]][1]
-            row["vs_hf_static"] = row["tokens_per_s"] / hf_static
+            row["vs_hf_static"] = row["tokens_per_s"] / hf_static if hf_static else math.nan
             row["compared_with"] = reference
-            row["identical_prefix"] = common_prefix(outputs[row["decoder"]], outputs[reference], P, n_check)
+            row["identical_prefix"] = (common_prefix(outputs[row["decoder"]], outputs[reference], P, n_check)
+                                       if reference in outputs else None)  # fmt: skip
             row["identical_goal"] = n_check
         rows += batch_rows
         _show(batch_rows, ["decoder", "batch", "tokens_per_s", "decode_tokens_per_s", "pct_of_limit", "ttft_ms",
@@ -473,6 +495,8 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-batches", help=f"comma-separated (default {FULL['decode_batches']})")
     parser.add_argument("--decode-heads", type=int, default=16, help="query heads of the decode model (16)")
     parser.add_argument("--decode-kv-heads", type=int, help="its key/value heads (default: as many as query heads)")
+    parser.add_argument("--decode-quantized", default="8,4", help="weight-only int8 / int4 decoders ('' for none)")
+    parser.add_argument("--decoders", help="comma-separated parts of decoder names to run (default: all)")
     parser.add_argument("--prompt-len", type=int, help=f"decode prompt (default {FULL['prompt_len']})")
     parser.add_argument("--new-tokens", type=int, help=f"tokens generated (default {FULL['new_tokens']})")
     parser.add_argument("--prefill-len", type=int, help=f"prefill throughput prompt (default {FULL['prefill_len']})")

@@ -34,7 +34,7 @@ def implementations(n: int) -> dict:
         M = int(lengths[0])
         return k[:, :, :M], v[:, :, :M]
 
-    def library_flash(q, k, v, lengths):  # what the course's decoder calls today (models/gpt.py, flash_over_cache)
+    def library_flash(q, k, v, lengths):  # the decoder before decode_attention (models/gpt.py, flash_over_cache)
         k, v = used(k, v, lengths)
         return flash_attention(q, k, v, causal=True)
 
@@ -47,7 +47,7 @@ def implementations(n: int) -> dict:
 
         return call
 
-    impls = {"decode_attention": ours, "flash_attention (today's decoder)": library_flash}
+    impls = {"decode_attention": ours, "flash_attention": library_flash}
     if n > 1:
         return impls
     for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),

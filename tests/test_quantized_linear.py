@@ -120,7 +120,7 @@ def test_bad_input_is_named():
         int8_linear(torch.randn(2, 16), q.float(), scale)
     with pytest.raises(ValueError, match="no_grad"):
         int8_linear(torch.randn(2, 16, requires_grad=True), q, scale)
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(ValueError, match="power of two >= 32"):
         quantize_int4(torch.randn(4, 100), 50)
     packed, s, z = quantize_int4(torch.randn(4, 64), 32)
     with pytest.raises(ValueError, match="one int4 weight"):

@@ -127,6 +127,7 @@ def _step_inputs(device, dtype, B, H, HKV, n, D, S):
     "B, H, HKV, n, D, S, pos, block_rows, block_start",
     [
         (1, 4, 4, 1, 16, 40, 30, 16, 24),  # a graph's decode step: one token in a block of 16 rows
+        (2, 4, 2, 2, 16, 40, 17, None, "pos"),  # a graph's step for decode_attention: tensor pos, block = q
         (2, 4, 2, 1, 16, 40, 39, 16, 24),  # grouped-query heads, the last position of the cache
         (2, 4, 4, 5, 32, 50, 10, None, None),  # a prefill chunk: the block is the rotated q itself
         (1, 2, 1, 3, 6, 20, 12, 8, 12),  # D / 2 = 3, not a power of two; queries at the block's first rows
@@ -141,6 +142,7 @@ def test_rope_to_cache_against_float64(device, dtype, atol, rtol, B, H, HKV, n, 
     base_k, base_v = cache_k.clone(), cache_v.clone()
     tensor_pos = block_start is not None  # a graph's step passes the position as a tensor
     p = torch.tensor([pos], device=device) if tensor_pos else pos
+    block_start = None if block_start == "pos" else block_start  # tensor pos, no block: rows 0..n-1 hold q
     want = rope_to_cache_ref(q.double(), k.double(), v.double(), cos.double(), sin.double(), p, want_k, want_v,
                              block_rows, block_start)  # fmt: skip
     base = rope_to_cache_ref(q, k, v, cos, sin, p, base_k, base_v, block_rows, block_start)  # PyTorch in dtype
@@ -206,7 +208,7 @@ def test_rope_to_cache_opcheck(device):
     [
         (dict(pos=7), ValueError, r"positions \[7, 9\) do not fit the cache"),  # 2 tokens past a cache of 8
         (dict(pos=torch.tensor([1], dtype=torch.int32)), ValueError, "one int64 element"),
-        (dict(pos=torch.tensor([1])), ValueError, "give block_start"),  # a tensor position needs the block's start
+        (dict(pos=torch.tensor([1]), block_rows=4), ValueError, "give block_start"),  # a block needs its start
         (dict(block_rows=1), ValueError, "block_rows must be an int >= the step's 2 tokens"),
         (dict(block_rows=4, block_start=4), ValueError, "fall outside the block"),
         (dict(cache_k=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), TypeError, "share one dtype"),

@@ -37,6 +37,7 @@ from torch import nn
 from .. import bench
 from ..models.data import batches as _batches
 from ..models.gpt import GPT, _unwrap, kv_bucket, transfer_weights
+from ..ops.quantized_linear import QuantizedLinear
 
 __all__ = [
     "SIZES",
@@ -414,11 +415,14 @@ def decode_step_bytes(model, batch: int, pos: int) -> int:
     """Bytes that one decode step of ``batch`` sequences, each at position ``pos``, must move at least: every
     parameter but the embedding table once (each is read once whatever the batch), one embedding row, the cached
     keys and values of positions 0..pos and the new key and value written, per sequence. RoPE tables and the
-    activations are left out (a few KB)."""
+    activations are left out (a few KB). A layer quantized by ``kernel_lib.quantize_`` counts its stored bytes
+    (integers, scales and zero points)."""
     gpt = _unwrap(model)
     c = gpt.config
     size = gpt.head.weight.element_size()
     weights = sum(p.numel() for name, p in gpt.named_parameters() if name != "embed.weight") * size
+    weights += sum(b.numel() * b.element_size() for m in gpt.modules() if isinstance(m, QuantizedLinear)
+                   for b in m.buffers())  # fmt: skip
     per_position = 2 * c.n_layers * c.kv_dim * size  # a key and a value per layer (n_kv_heads of them)
     return weights + batch * (c.d_model * size + (pos + 1) * per_position + per_position)
 

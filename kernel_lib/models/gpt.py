@@ -77,8 +77,10 @@ one-element int64 tensor on the model's device (graph use: the position is data,
 With a tensor, ``kv_len`` is a Python int fixed per captured graph: ``kv_bucket(pos + n, max_len)`` rounds up to
 a multiple of ``DECODE_BUCKET`` (64) positions, so a generation uses one graph per 64 tokens and reads at most 63
 unused positions. Attention over the cache: naive writes the masked scores out; native calls SDPA with a
-boolean mask; kernel_lib calls ``flash_attention`` (``flash_over_cache`` explains how it hides the unused tail
-without a mask argument), after one ``rope_to_cache`` kernel per layer that rotates q and k, writes k and v into
+boolean mask; kernel_lib calls ``decode_attention`` when the step's queries are few (decoding: the keys are
+split across programs, and each sequence's length pos + n is a tensor, ``StepPlace.lengths``), else
+``flash_attention`` (``flash_over_cache`` explains how it hides the unused tail without a mask argument), after
+one ``rope_to_cache`` kernel per layer that rotates q and k, writes k and v into
 the cache and places the queries in flash_over_cache's block (the native step's two gathers, two rotations and
 two cache writes, and a fill and a scatter for the block), and each residual add is done by the RMSNorm that
 reads the sum (``add_norm``: one kernel for the two). Where the tokens sit (``StepPlace``) is worked out once per
@@ -97,11 +99,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.attention import MAX_HEAD_DIM, flash_attention
+from ..ops.decode_attention import MAX_ROWS as DECODE_MAX_ROWS
+from ..ops.decode_attention import decode_attention
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.moe import MoE
 from ..ops.norms import RMSNorm, add_rms_norm
 from ..ops.rope import check_position, rope, rope_cos_sin, rope_to_cache
-from ..ops.swiglu import swiglu_linear
+from ..ops.swiglu import swiglu, swiglu_linear
 
 __all__ = [
     "GPT", "GPTConfig", "KVCache", "StepPlace", "transfer_weights", "naive_layout", "kv_bucket", "IMPLS",
@@ -214,12 +218,14 @@ class StepPlace(NamedTuple):
 
     positions (n,) int64 on the model's device; kv_len, the cache positions attention reads; exact: kv_len is
     pos + n (int pos) rather than a bucket end; rows (n,): for a bucketed step, each query's row in the query
-    block of ``flash_over_cache`` (None when exact)."""
+    block of ``flash_over_cache`` (None when exact); lengths (B,) int32, pos + n for every sequence, set for the
+    kernel_lib version when its decode_attention takes the step (few queries), else None."""
 
     positions: torch.Tensor
     kv_len: int
     exact: bool
     rows: Optional[torch.Tensor]
+    lengths: Optional[torch.Tensor] = None
 
     @property
     def block_rows(self) -> int:
@@ -525,15 +531,20 @@ class KernelAttention(NativeAttention):
 
     def step(self, x, cache_k, cache_v, place: StepPlace):
         """NativeAttention.step with one kernel for RoPE, the cache write and the query block
-        (``kernel_lib.rope_to_cache``), then ``flash_over_cache``; float32 runs the native step (SDPA)."""
+        (``kernel_lib.rope_to_cache``), then ``decode_attention`` for a step of few queries (``place.lengths``
+        set), else ``flash_over_cache``; float32 runs the native step (SDPA)."""
         if x.dtype not in (torch.float16, torch.bfloat16):
             return super().step(x, cache_k, cache_v, place)
         B, n, C = x.shape
         q, k, v = self._heads(x)  # (B, H, n, hd), (B, Hkv, n, hd) twice
+        kv = place.kv_len
+        if place.lengths is not None:  # decoding: keys split across programs, lengths read on the GPU
+            q = rope_to_cache(q, k, v, self.cos, self.sin, place.positions[:1], cache_k, cache_v)  # (B, H, n, hd)
+            y = decode_attention(q, cache_k[:, :, :kv], cache_v[:, :, :kv], place.lengths)
+            return self.o(y.transpose(1, 2).reshape(B, n, C))
         block = rope_to_cache(
             q, k, v, self.cos, self.sin, place.positions[:1], cache_k, cache_v, place.block_rows, place.block_start
         )  # (B, H, R, hd)
-        kv = place.kv_len
         y = flash_over_cache(block, cache_k[:, :, :kv], cache_v[:, :, :kv], place.rows)  # (B, H, n, hd)
         return self.o(y.transpose(1, 2).reshape(B, n, C))
 
@@ -544,6 +555,8 @@ class KernelMLP(NativeMLP):
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
+        if not isinstance(self.down, nn.Linear):  # a quantized down projection (quantize_): its own product
+            return self.down(swiglu(gate, up))
         return swiglu_linear(gate, up, self.down.weight)
 
 
@@ -742,6 +755,10 @@ class GPT(nn.Module):
                 "(flash_over_cache's block of queries): use kv_bucket(pos + n, max_len)"
             )
         place = StepPlace(positions, kv_len, exact, None)
+        c = self.config
+        if c.impl == "kernel_lib" and n * (c.n_heads // c.n_kv_heads) <= DECODE_MAX_ROWS:
+            # decode_attention's kv_len: a tensor, so a captured graph serves every position of its bucket
+            return place._replace(lengths=(positions[-1:] + 1).to(torch.int32).expand(B).contiguous())
         if not exact:  # each query's row in flash_over_cache's block, once per step rather than once per layer
             place = place._replace(rows=positions - place.block_start)
         return place

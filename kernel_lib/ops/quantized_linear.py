@@ -38,6 +38,7 @@ __all__ = [
     "int4_linear",
     "QuantizedLinear",
     "quantize_",
+    "config",
 ]
 
 
@@ -59,11 +60,11 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_int4(weight: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed uint8 (N, K / 2), scale float32 (N, K / group), zero float32 (N, K / group)) with weight ~
     scale * (q - zero) group by group: scale = (max - min) / 15, zero = -min / scale (kept as a float, so the 16
-    levels run from the group's min to its max); q in [0, 15], two a byte (even column low). ``group`` a multiple
-    of 16 (the kernel's smallest step along K) dividing K."""
+    levels run from the group's min to its max); q in [0, 15], two a byte (even column low). ``group`` a power of
+    two >= 32 (the kernel's smallest step along K: 16 bytes a row, each a product 16 wide) dividing K."""
     N, K = weight.shape
-    if group % 16 or K % group:
-        raise ValueError(f"int4 needs a group that is a multiple of 16 and divides K: K = {K}, group = {group}")
+    if group < 32 or group & (group - 1) or K % group:
+        raise ValueError(f"int4 needs a group that is a power of two >= 32 and divides K: K = {K}, group = {group}")
     w = weight.detach().float().reshape(N, K // group, group)
     low, high = w.amin(dim=2), w.amax(dim=2)
     scale = (high - low) / 15
@@ -81,8 +82,70 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 
 
 # --------------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------------
+# x's dtype -> (bits, value) of the float whose mantissa's low bits take an int4 value exactly (see the kernel)
+MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
+def config(M: int, N: int, K: int, bits: int, group: int, device: torch.device) -> dict:
+    """The kernel's tile and launch settings for y (M, N) = x (M, K) @ W^T: 16 rows of x a program for a decoding
+    step (the smallest tile of a tensor-core product), and output tiles narrow enough that the programs cover
+    every SM at least once, so the weight is streamed by the whole GPU. ``benchmarks/sweep_quantized_linear.py``
+    measures the alternatives."""
+    if is_interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32 if bits == 4 else 16, SWAP=False, num_warps=4, num_stages=1)
+    block_m = 16 if M <= 16 else 64
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    # 32 output rows a program, 64 when that still leaves three programs an SM; 256-512 bytes of a row a step
+    # (H200, benchmarks/NOTES.md: the best of 21 settings at the 7B and 1B shapes within a few %)
+    block_n = 64 if triton.cdiv(N, 64) * triton.cdiv(M, block_m) >= 3 * sms else 32
+    block_k = (512 if K >= 12288 else 256) if bits == 8 else max(512, group)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=False,
+                num_warps=4 if block_m == 16 else 8, num_stages=4)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------------
+@triton.jit
+def _mma(x, w, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """x (BLOCK_M, k) times w (BLOCK_N, k) transposed, in float32: (BLOCK_M, BLOCK_N), or its transpose if SWAP
+    (the weight tile as the product's left operand)."""
+    # constexpr branches with one result each: Triton types a helper's returns before it drops the dead branch
+    if SWAP:
+        if IEEE:
+            r = tl.dot(w, tl.trans(x), input_precision="ieee")
+        else:
+            r = tl.dot(w, tl.trans(x))
+    else:
+        if IEEE:
+            r = tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            r = tl.dot(x, tl.trans(w))
+    return r
+
+
+@triton.jit
+def _per_n(v, SWAP: tl.constexpr):
+    """A vector over output features, broadcast along the accumulator's N axis."""
+    if SWAP:
+        r = v[:, None]
+    else:
+        r = v[None, :]
+    return r
+
+
+@triton.jit
+def _per_m(v, SWAP: tl.constexpr):
+    """A vector over rows of x, broadcast along the accumulator's M axis."""
+    if SWAP:
+        r = v[None, :]
+    else:
+        r = v[:, None]
+    return r
+
+
 @triton.jit
 def _quantized_linear_kernel(
     x_ptr,  # (M, K) activations, unit stride along K
@@ -94,59 +157,98 @@ def _quantized_linear_kernel(
     M, N, K,  # rows of x, output features, input features
     sxm,  # x's row stride
     BITS: tl.constexpr,  # 8 or 4
-    GROUP: tl.constexpr,  # columns a scale and zero point (BITS 4), a multiple of BLOCK_K
+    GROUP: tl.constexpr,  # columns a scale and zero point (BITS 4)
+    SUB: tl.constexpr,  # BITS 4: columns a partial product, min(BLOCK_K, GROUP), dividing both
+    MAGIC_BITS: tl.constexpr,  # BITS 4: the bits of MAGIC in x's 16-bit dtype (0x4300 bfloat16, 0x6400 float16), or 0
+    MAGIC: tl.constexpr,  # its value (128.0, 1024.0; 0.0 with float32 x: a plain conversion)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # tile of y, and of K a step
+    SWAP: tl.constexpr,  # accumulate y^T (BLOCK_N, BLOCK_M): the dequantized tile is the product's left operand
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter's bf16 dot is wrong)
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    n_mask, m_mask = offs_n < N, offs_m < M
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * sxm
+    IEEE: tl.constexpr = DOT_FP32 or x_ptr.dtype.element_ty == tl.float32  # float32 x: full precision, not TF32
+    if DOT_FP32:
+        compute = tl.float32
+    else:
+        compute = x_ptr.dtype.element_ty
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * sxm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)  # fmt: skip
-        tile = n_mask[:, None] & k_mask[None, :]
-        if BITS == 8:
-            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], mask=tile, other=0).to(tl.float32)
-        else:  # a byte holds columns 2j (low nibble) and 2j + 1: each byte is read for both (from L1 the second time)
-            byte = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + offs_k[None, :] // 2, mask=tile, other=0)
-            nibble = tl.where(offs_k[None, :] % 2 == 0, byte & 15, byte >> 4).to(tl.float32)
-            group = offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP  # BLOCK_K divides GROUP: one group a step
-            zero = tl.load(zero_ptr + group, mask=n_mask, other=0.0)
-            w = (nibble - zero[:, None]) * tl.load(scale_ptr + group, mask=n_mask, other=0.0)[:, None]
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w))
-        elif x.dtype == tl.float32:  # float32 activations: full precision, not TF32
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        if BITS == 8:  # q exact in x's dtype (|q| <= 127); the row's scale multiplies the sum once, at the end
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0)  # fmt: skip
+            acc += _mma(x.to(compute), w.to(compute), SWAP, IEEE)
         else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            # Byte j of a row holds columns 2j (low nibble) and 2j + 1 (high): the low nibbles meet the even
+            # columns of x, the high ones the odd columns, two products of half the width, a group at a time
+            # (SUB columns: the group, or the whole step when it is narrower). In a group,
+            # sum_k x_k s (q_k - z) = s (sum_k x_k q_k - z sum_k x_k): the scale and zero point act on the
+            # (BLOCK_M, BLOCK_N) partial product, not on every weight. And q is not converted to a float by an
+            # int-to-float instruction (a quarter of the FP32 rate on recent GPUs, the kernel's limit if used):
+            # written into the low mantissa bits of MAGIC (128 in bfloat16, 1024 in float16, spaced 1 apart
+            # there), its bits read as MAGIC + q; the products then count MAGIC sum_k x_k extra, taken off with z.
+            for sub in tl.static_range(BLOCK_K // SUB):
+                kk = k0 + sub * SUB
+                offs_b = kk // 2 + tl.arange(0, SUB // 2)
+                b_mask = offs_b < K // 2
+                byte = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + offs_b[None, :],
+                               mask=n_mask[:, None] & b_mask[None, :], other=0)  # fmt: skip
+                x_mask = m_mask[:, None] & b_mask[None, :]
+                x_even = tl.load(x_rows + 2 * offs_b[None, :], mask=x_mask, other=0.0)
+                x_odd = tl.load(x_rows + 2 * offs_b[None, :] + 1, mask=x_mask, other=0.0)
+                if MAGIC_BITS:
+                    lo = ((byte & 15).to(tl.int32) | MAGIC_BITS).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
+                    hi = ((byte >> 4).to(tl.int32) | MAGIC_BITS).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
+                else:
+                    lo, hi = byte & 15, byte >> 4
+                part = _mma(x_even.to(compute), lo.to(compute), SWAP, IEEE)
+                part += _mma(x_odd.to(compute), hi.to(compute), SWAP, IEEE)
+                x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)  # (BLOCK_M,)
+                g_mask = n_mask & (kk < K)
+                group = offs_n.to(tl.int64) * (K // GROUP) + kk // GROUP
+                scale = tl.load(scale_ptr + group, mask=g_mask, other=0.0)
+                zero = tl.load(zero_ptr + group, mask=g_mask, other=0.0) + MAGIC
+                acc += (part - _per_n(zero, SWAP) * _per_m(x_sum, SWAP)) * _per_n(scale, SWAP)
     if BITS == 8:
-        acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        acc = acc * _per_n(tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0), SWAP)
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_m[:, None] < M) & n_mask[None, :])  # fmt: skip
+        acc = acc + _per_n(tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32), SWAP)
+    if SWAP:
+        out = y_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
+    else:
+        out = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 # --------------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------------
-def _forward(x, weight, scale, zero, bias, bits: int, group: int) -> torch.Tensor:
+def _forward(x, weight, scale, zero, bias, bits: int, group: int, settings: Optional[dict] = None) -> torch.Tensor:
     rows = as_rows(x)
     M, K = rows.shape
     N = weight.shape[0]
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M and N:
-        interpreted = is_interpreting()
-        block_m = 16 if M <= 16 else 64
-        block_n, block_k = (16, 16) if interpreted else (64, 128 if bits == 8 else min(128, group & -group))
-        _quantized_linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+        c = dict(settings or config(M, N, K, bits, group, x.device))
+        sub = min(c["BLOCK_K"], group) if bits == 4 else c["BLOCK_K"]
+        if bits == 4 and (c["BLOCK_K"] % sub or group % sub):
+            raise ValueError(f"int4: BLOCK_K {c['BLOCK_K']} and the group {group} must be multiples of one another")
+        magic_bits, magic = MAGIC.get(x.dtype, (0, 0.0))
+        grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]))
+        _quantized_linear_kernel[grid](
             rows, weight, scale, zero if zero is not None else scale, bias if bias is not None else y, y, M, N, K,
-            rows.stride(0), BITS=bits, GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, DOT_FP32=interpreted, num_warps=4 if block_m == 16 else 8,  # 4 warps spill at 64 rows
+            rows.stride(0), BITS=bits, GROUP=group, SUB=sub, MAGIC_BITS=magic_bits, MAGIC=magic,
+            HAS_BIAS=bias is not None, DOT_FP32=is_interpreting(), **c,
         )  # fmt: skip
     return y.view(*x.shape[:-1], N)
 

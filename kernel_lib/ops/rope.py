@@ -29,6 +29,7 @@ calls it rotates exactly as one that calls ``rope`` (bit for bit on the same GPU
 """
 
 import functools
+from typing import Optional
 
 import torch
 import triton
@@ -66,7 +67,8 @@ def rope_to_cache_ref(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows=None,
     cache_k.index_copy_(2, positions, rope_ref(k, c, s))
     cache_v.index_copy_(2, positions, v)
     block = q.new_zeros(q.shape[0], q.shape[1], block_rows, q.shape[3])
-    return block.index_copy_(2, positions - block_start, rope_ref(q, c, s))
+    rows = positions - (pos if block_start is None else block_start)
+    return block.index_copy_(2, rows, rope_ref(q, c, s))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,7 +133,8 @@ def _rope_cache_kernel(
     R,  # rows of the query block
     S,  # positions in the cache
     L,  # rows of the tables
-    BLOCK_START,  # the position that block row 0 stands for
+    BLOCK_START,  # the position that block row 0 stands for (unless FROM_POS)
+    FROM_POS: tl.constexpr,  # block row 0 stands for pos (a tensor pos, the block = the rotated queries)
     HALF: tl.constexpr,  # D / 2
     BLOCK_T: tl.constexpr,  # tokens or block rows per program
     BLOCK_HALF: tl.constexpr,  # power of two >= D / 2
@@ -145,7 +148,10 @@ def _rope_cache_kernel(
     i = tl.arange(0, BLOCK_HALF)
     col = i[None, :] < HALF
     if h < H:  # a query head: every row of the block is written, rows without a token as zeros
-        t = r + (BLOCK_START - p0)  # the token that row r holds, if 0 <= t < N
+        if FROM_POS:
+            t = r  # the token that row r holds, if 0 <= t < N
+        else:
+            t = r + (BLOCK_START - p0)
         pos = p0 + t
         ok = ((r < R) & (t >= 0) & (t < N) & (pos >= 0) & (pos < L))[:, None] & col
         q_src = q_ptr + b * stride_qb + h * stride_qh + t[:, None] * stride_qn
@@ -198,7 +204,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     return out
 
 
-def _to_cache(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows: int, block_start: int) -> torch.Tensor:
+def _to_cache(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows: int, block_start: Optional[int]) -> torch.Tensor:
     B, H, n, D = q.shape
     HKV, S = cache_k.shape[1], cache_k.shape[2]
     block = torch.empty((B, H, block_rows, D), device=q.device, dtype=q.dtype)
@@ -210,8 +216,8 @@ def _to_cache(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows: int, block_s
     grid = (B * (H + HKV), triton.cdiv(max(block_rows, n, 1), CACHE_BLOCK_T))
     _rope_cache_kernel[grid](
         q, k, v, cos, sin, pos, cache_k, cache_v, block, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        H, HKV, n, block_rows, S, cos.shape[0], block_start,
-        HALF=half, BLOCK_T=CACHE_BLOCK_T, BLOCK_HALF=_block_half(half), num_warps=4,
+        H, HKV, n, block_rows, S, cos.shape[0], 0 if block_start is None else block_start,
+        FROM_POS=block_start is None, HALF=half, BLOCK_T=CACHE_BLOCK_T, BLOCK_HALF=_block_half(half), num_warps=4,
     )  # fmt: skip
     return block
 
@@ -256,7 +262,7 @@ def _rope_to_cache_op(
     cache_k: torch.Tensor,
     cache_v: torch.Tensor,
     block_rows: int,
-    block_start: int,
+    block_start: Optional[int],
 ) -> torch.Tensor:
     return _to_cache(q, k, v, cos, sin, pos, cache_k, cache_v, block_rows, block_start)
 
@@ -329,17 +335,18 @@ def check_position(pos, device: torch.device, where: str) -> bool:
     return False
 
 
-def _cache_place(pos, q: torch.Tensor, n: int, block_rows, block_start) -> tuple[torch.Tensor, int, int]:
-    """pos as a (1,) int64 tensor on q's device, and the block's rows and start with their defaults filled in."""
+def _cache_place(pos, q: torch.Tensor, n: int, block_rows, block_start) -> tuple[torch.Tensor, int, Optional[int]]:
+    """pos as a (1,) int64 tensor on q's device, and the block's rows and start with their defaults filled in
+    (block_start None: a tensor pos whose block is the n rotated queries, row t for token t)."""
     if check_position(pos, q.device, "q's device"):
         block_start = pos if block_start is None else block_start
         pos = torch.tensor([pos], dtype=torch.int64, device=q.device)
-    elif block_start is None:
-        raise ValueError("with a tensor pos, give block_start (a Python int): the position of the block's row 0")
     block_rows = n if block_rows is None else block_rows
     if not isinstance(block_rows, int) or block_rows < n:
         raise ValueError(f"block_rows must be an int >= the step's {n} tokens, got {block_rows!r}")
-    if not isinstance(block_start, int):
+    if block_start is None and block_rows != n:  # a tensor pos: the block is the rotated queries themselves
+        raise ValueError("with a tensor pos and block_rows, give block_start (a Python int): the position of row 0")
+    if block_start is not None and not isinstance(block_start, int):
         raise ValueError(f"block_start must be a Python int, got {type(block_start).__name__}")
     return pos.reshape(1), block_rows, block_start
 
@@ -363,7 +370,8 @@ def rope_to_cache(
     token's position, a Python int or a one-element int64 tensor (token t sits at pos + t); cache_k, cache_v
     (B, Hkv, S, D) contiguous, written in place at positions pos..pos+n-1. Returns the rotated queries in a
     (B, H, block_rows, D) block, token t at row pos + t - block_start, rows holding no token zero. Defaults:
-    block_rows n, block_start pos (then pos must be an int), i.e. the rotated q itself.
+    block_rows n, block_start pos, i.e. the rotated q itself (with a tensor pos too: block_rows and block_start
+    both left out).
 
     Positions outside the cache or the tables, and rows outside the block: with an int pos they are refused here;
     a tensor pos is read on the device only, so the caller guarantees them (the kernel skips such tokens rather

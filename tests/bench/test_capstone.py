@@ -141,9 +141,12 @@ def test_tiny_run_writes_every_phase(script, tmp_path):
     assert [(r["version"], r["max_batch"]) for r in phase["batch"]] == [(v, cap) for v in versions]
 
     decoders = {(r["decoder"], r["batch"]) for r in phase["decode"]}
-    assert len(decoders) == 6 * len(script.TINY["decode_batches"].split(","))
-    for row in phase["decode"]:  # float32 on the CPU: every decoder repeats its reference exactly
-        assert row["identical_prefix"] == row["identical_goal"] == str(script.TINY["new_tokens"]), row
+    assert len(decoders) == 8 * len(script.TINY["decode_batches"].split(","))  # six, and int8 and int4 weights
+    for row in phase["decode"]:  # float32 on the CPU: every unquantized decoder repeats its reference exactly
+        if " int" in row["decoder"]:  # quantized weights change the logits: agreement is measured, not required
+            assert 0 <= int(row["identical_prefix"]) <= int(row["identical_goal"]), row
+        else:
+            assert row["identical_prefix"] == row["identical_goal"] == str(script.TINY["new_tokens"]), row
         assert float(row["tokens_per_s"]) > 0 and float(row["limit_tokens_per_s"]) > 0, row
     assert {r["decoder"] for r in phase["prefill"]} == {"ours: kernel_lib", "ours: native", "HF"}
 
