@@ -36,8 +36,8 @@ SMOKE = {
     "layer(torch.randn(1, 8, 32, dtype=torch.float16)).float().sum().backward()",
     "decode_attention.py": "q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 24, 16)\n"
     "with torch.no_grad():\n    m.decode_attention(q, k, k, 20)",
-    "quantized_linear.py": "layer = m.QuantizedLinear(torch.nn.Linear(32, 8), bits=4, group=16)\n"
-    "with torch.no_grad():\n    layer(torch.randn(2, 32))",
+    "quantized_linear.py": "layer = m.QuantizedLinear(torch.nn.Linear(64, 8), bits=4, group=32)\n"
+    "with torch.no_grad():\n    layer(torch.randn(2, 64))",
     "grouped_mm.py": "x, w = torch.randn(6, 8, requires_grad=True), torch.randn(2, 8, 4)\n"
     "m.grouped_mm(x, w, torch.tensor([2, 6], dtype=torch.int32)).sum().backward()",
     "moe.py": "layer = m.MoE(16, 32, n_experts=4, top_k=2); y, aux = layer(torch.randn(2, 5, 16))\n"

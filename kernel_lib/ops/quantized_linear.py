@@ -7,10 +7,16 @@
 
 Decoding one token reads every weight of the model once per step and does two FLOPs per weight: its time is the
 weights' bytes over the memory bandwidth. int8 halves those bytes against bfloat16, int4 quarters them (plus one
-scale and one zero point a group). The kernel loads the quantized tile, dequantizes it in registers and feeds the
+scale and one zero point a group). The kernel loads the quantized tile, converts it in registers and feeds the
 tensor cores in x's dtype, so nothing but the small integers and the scales comes from memory. Two int4 values share
 a byte, the even column in the low nibble. int8's scale multiplies the accumulator once at the end (one scale a
-row); int4's scales and zero points change every ``group`` columns, so they are applied to the tile.
+row); int4's scale and zero point act on the partial product of each group (the kernel's comments say how).
+
+Speed (H200, bf16, CUDA graphs, weights read from memory; benchmarks/NOTES.md, 2026-11-29): int8 1.06-1.58x
+bf16 ``F.linear`` at the 7B and 1B shapes (39-71% of the copy ceiling; cuBLAS reads bf16 at 42-90%), but not
+yet 2x, and torchao's compiled int8 is ahead at one row (1.37-1.77x). int4 is correct but slower than bf16
+(2-23% of copy: its byte loads are not pipelined the way int8's are, the suspected cause, unmeasured): for int4
+weights use torchao's ``Int4WeightOnlyConfig`` (tinygemm, 1.2-1.95x bf16 at one row) until this kernel is fixed.
 
 Rounding is to nearest. Quantization error: at most scale / 2 a weight (int8: max |W[n]| / 254; int4: the group's
 range / 30); the kernel's own error is float32 accumulation. Inference only (no autograd).
@@ -90,16 +96,15 @@ MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 def config(M: int, N: int, K: int, bits: int, group: int, device: torch.device) -> dict:
     """The kernel's tile and launch settings for y (M, N) = x (M, K) @ W^T: 16 rows of x a program for a decoding
-    step (the smallest tile of a tensor-core product), and output tiles narrow enough that the programs cover
-    every SM at least once, so the weight is streamed by the whole GPU. ``benchmarks/sweep_quantized_linear.py``
-    measures the alternatives."""
+    step (the smallest tile of a tensor-core product), and narrow output tiles, so that the programs cover every
+    SM and the weight is streamed by the whole GPU. ``benchmarks/sweep_quantized_linear.py`` measures the
+    alternatives."""
     if is_interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32 if bits == 4 else 16, SWAP=False, num_warps=4, num_stages=1)
     block_m = 16 if M <= 16 else 64
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    # 32 output rows a program, 64 when that still leaves three programs an SM; 256-512 bytes of a row a step
-    # (H200, benchmarks/NOTES.md: the best of 21 settings at the 7B and 1B shapes within a few %)
-    block_n = 64 if triton.cdiv(N, 64) * triton.cdiv(M, block_m) >= 3 * sms else 32
+    # 32 output rows a program, 256 bytes of a row a step (512 for long rows): within 1-3% of the best of 22
+    # settings at each of the 7B and 1B shapes (H200, benchmarks/NOTES.md, 2026-11-29); 64 rows spill registers
+    block_n = 32
     block_k = (512 if K >= 12288 else 256) if bits == 8 else max(512, group)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=False,
                 num_warps=4 if block_m == 16 else 8, num_stages=4)  # fmt: skip
