@@ -1,11 +1,12 @@
 """The quantized linear kernel's tile settings at decoding's shapes, against bf16 cuBLAS and torchao, in CUDA graphs.
 
 For each weight shape (the 7B Llama's and the 1.1B GQA model's projections) and rows M (1 and 16), int8 and int4
-(group 128): every setting of ``kernel_lib.ops.quantized_linear``'s kernel in ``SETTINGS`` (output tile, K step,
-which operand the weight is, warps, stages), the library's default (``config``), bf16 ``F.linear`` and, when
-torchao imports, its int8 and int4 weight-only layers compiled (``torch.compile``, as gpt-fast and torchao's
-benchmarks run them). Each is checked against the float64 product with its own weight (kernel_lib: the dequantized
-weight, relative error under 1e-2; torchao: the original weight, under 3% for int8, 15% for int4) before timing.
+(group 128): every setting of ``kernel_lib.ops.quantized_linear``'s kernels in ``SETTINGS`` (output tile, K step,
+splits of K, which operand the weight is, warps, stages) and, at M = 1, ``GEMV`` (the one-row kernel's), the
+library's default (``config``), bf16 ``F.linear`` and, when torchao imports, its int8 and int4 weight-only layers
+compiled (``torch.compile``, as gpt-fast and torchao's benchmarks run them). Each is checked against the float64
+product with its own weight (kernel_lib: the dequantized weight, relative error under 1e-2; torchao: the original
+weight, under 3% for int8, 15% for int4) before timing.
 
 Timing: a decoding step's kernels take microseconds, so the host is kept out (``bench.graph_ms``: calls replayed
 from a CUDA graph) and each replay runs the call on ``copies`` different weights in turn (together over 256 MB,
@@ -33,15 +34,26 @@ SHAPES = {  # name -> (N out, K in)
 }  # fmt: skip
 GROUP = 128
 COMPILED_LINEAR = torch.compile(F.linear)  # one compilation serves every copy of a torchao weight (same shapes)
-SETTINGS = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, SWAP=False, num_warps=4, num_stages=s)
-            for n, k, s in itertools.product((16, 32, 64), (256, 512, 1024), (2, 4))] + [
-            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=k, SWAP=True, num_warps=w, num_stages=3)
-            for k, w in itertools.product((256, 512), (4, 8))]  # fmt: skip
+SETTINGS = {  # bits -> settings tried: output rows, K a step, splits of K (int4: a step within a group of 128)
+    8: [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, SPLIT_K=sk, SWAP=False, num_warps=4, num_stages=4)
+        for n, k, sk in [*itertools.product((32,), (256, 512), (1, 2, 4, 8)),
+                         *itertools.product((64,), (256,), (1, 2, 4))]],
+    4: [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, SPLIT_K=sk, SWAP=False, num_warps=4, num_stages=2)
+        for n, k, sk in itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8))],
+}  # fmt: skip
+GEMV = {  # bits -> settings of the one-row kernel (M = 1 only)
+    8: [dict(GEMV=True, BLOCK_N=n, BLOCK_K=k, SPLIT_K=sk, num_warps=4, num_stages=1)
+        for n, k, sk in itertools.product((8, 16), (256, 512, 1024), (1, 2, 4)) if n * k <= 8192],
+    4: [dict(GEMV=True, BLOCK_N=n, BLOCK_K=k, SPLIT_K=sk, num_warps=4, num_stages=1)
+        for n, k, sk in [*itertools.product((16, 32), (128,), (1, 2, 4, 8)), *itertools.product((64,), (64,), (4, 8))]],
+}  # fmt: skip
 TIMING = dict(warmup_ms=5, rep_ms=30)  # per setting: a replay of all copies is tens of microseconds
 
 
 def label(c: dict) -> str:
-    return f"{'swap ' if c['SWAP'] else ''}{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"
+    swap = "gemv " if c.get("GEMV") else ("swap " if c.get("SWAP") else "")
+    split = f" k/{c['SPLIT_K']}" if c.get("SPLIT_K", 1) > 1 else ""
+    return f"{swap}{c['BLOCK_N']}x{c['BLOCK_K']}{split} w{c['num_warps']} s{c['num_stages']}"
 
 
 def torchao_weights(w: torch.Tensor) -> dict:
@@ -89,6 +101,7 @@ def main() -> int:
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     parser.add_argument("--no-sweep", action="store_true", help="the default setting and the peers only")
+    parser.add_argument("--gemv-only", action="store_true", help="of the settings, the one-row kernel's only")
     args = parser.parse_args()
     env = bench.require_gpu("sweep_quantized_linear")
     copy_gbps = bench.copy_bandwidth()
@@ -117,7 +130,8 @@ def main() -> int:
                     candidates.append((name, 8 if "int8" in name else 4, calls, ao[name][0][1]))
             for bits, packs in ((8, q8), (4, q4)):
                 group = GROUP if bits == 4 else 1
-                settings = [None] + ([] if args.no_sweep else SETTINGS)
+                settings = [None] + ([] if args.no_sweep or args.gemv_only else SETTINGS[bits])
+                settings += GEMV[bits] if M == 1 and not args.no_sweep else []
                 for c in settings:
                     calls = [functools.partial(ql._forward, x, p[0], p[1], p[2] if bits == 4 else None, None, bits,
                                                group, c) for x, p in zip(xs, packs, strict=True)]  # fmt: skip

@@ -146,3 +146,26 @@ def test_model_sized_on_gpu(bits, M):
             y = int4_linear(x, packed, scale, zero)
         want = product(x, dequantize_int4(packed, scale, zero))
     torch.testing.assert_close(y.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_hugging_face_llama(bits):
+    """quantize_ on a Hugging Face Llama built from a config: every projection swapped, lm_head kept, the logits
+    within the weights' quantization error of the original's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        before = model(ids).logits
+        quantize_(model, bits=bits, group=32)
+        after = model(ids).logits
+    layer = model.model.layers[0]
+    projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]  # fmt: skip
+    assert all(isinstance(p, QuantizedLinear) for p in projections)
+    assert isinstance(model.lm_head, torch.nn.Linear)  # the output head is kept by default
+    rel = (after - before).norm() / before.norm()
+    assert rel < (0.02 if bits == 8 else 0.2), rel

@@ -94,20 +94,30 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
-def config(M: int, N: int, K: int, bits: int, group: int, device: torch.device) -> dict:
+def config(M: int, N: int, K: int, bits: int, group: int, device: torch.device, x_bytes: int = 2) -> dict:
     """The kernel's tile and launch settings for y (M, N) = x (M, K) @ W^T: 16 rows of x a program for a decoding
     step (the smallest tile of a tensor-core product), and narrow output tiles, so that the programs cover every
     SM and the weight is streamed by the whole GPU. ``benchmarks/sweep_quantized_linear.py`` measures the
     alternatives."""
+    gemv = M == 1  # one row: CUDA cores (_quantized_gemv_kernel), no padded tensor-core tile
     if is_interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32 if bits == 4 else 16, SWAP=False, num_warps=4, num_stages=1)
+        return dict(GEMV=gemv, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=2 if K >= 128 else 1, SWAP=False,
+                    num_warps=4, num_stages=1)  # fmt: skip
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    # (H200, benchmarks/NOTES.md, 2026-11-29) rows of y a program, bytes of a row a step, then splits of K until
+    # about four programs an SM stream the weight
     block_m = 16 if M <= 16 else 64
-    # 32 output rows a program, 256 bytes of a row a step (512 for long rows): within 1-3% of the best of 22
-    # settings at each of the 7B and 1B shapes (H200, benchmarks/NOTES.md, 2026-11-29); 64 rows spill registers
-    block_n = 32
-    block_k = (512 if K >= 12288 else 256) if bits == 8 else max(512, group)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=False,
-                num_warps=4 if block_m == 16 else 8, num_stages=4)  # fmt: skip
+    block_n = 16 if gemv else 32
+    block_k = (512 if gemv or K >= 12288 else 256) if bits == 8 else min(group, 256 if gemv else 128)
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    split = 1
+    while tiles * split * 2 <= 4 * sms and K // (split * 2) >= 2 * block_k:
+        split *= 2
+    stages = 4 if bits == 8 else 2
+    if not gemv and (block_m == 64 or x_bytes == 4):  # x's tile grows: keep the stages within shared memory
+        block_k, stages = min(block_k, 128), min(stages, 3)
+    return dict(GEMV=gemv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SWAP=False,
+                num_warps=4 if block_m == 16 else 8, num_stages=stages)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,22 +169,28 @@ def _quantized_linear_kernel(
     zero_ptr,  # float32 (N, K / GROUP) (BITS 4; unused for 8)
     bias_ptr,  # (N,) in x's dtype; unused unless HAS_BIAS
     y_ptr,  # output (M, N), contiguous, x's dtype
+    part_ptr,  # float32 (SPLIT_K, M, N): each split's partial product (SPLIT_K > 1)
+    count_ptr,  # int32 (output tiles,), zero: splits done a tile (SPLIT_K > 1)
     M, N, K,  # rows of x, output features, input features
     sxm,  # x's row stride
+    K_SPLIT,  # columns of K a split, a multiple of BLOCK_K
     BITS: tl.constexpr,  # 8 or 4
-    GROUP: tl.constexpr,  # columns a scale and zero point (BITS 4)
-    SUB: tl.constexpr,  # BITS 4: columns a partial product, min(BLOCK_K, GROUP), dividing both
+    GROUP: tl.constexpr,  # columns a scale and zero point (BITS 4), a multiple of BLOCK_K
     MAGIC_BITS: tl.constexpr,  # BITS 4: the bits of MAGIC in x's 16-bit dtype (0x4300 bfloat16, 0x6400 float16), or 0
     MAGIC: tl.constexpr,  # its value (128.0, 1024.0; 0.0 with float32 x: a plain conversion)
     HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs along K a tile of y; the last to finish adds the partials up
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # tile of y, and of K a step
-    SWAP: tl.constexpr,  # accumulate y^T (BLOCK_N, BLOCK_M): the dequantized tile is the product's left operand
+    SWAP: tl.constexpr,  # accumulate y^T (BLOCK_N, BLOCK_M): the weight tile is the product's left operand
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter's bf16 dot is wrong)
 ):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask, m_mask = offs_n < N, offs_m < M
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * sxm
+    k_lo = tl.program_id(2) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     IEEE: tl.constexpr = DOT_FP32 or x_ptr.dtype.element_ty == tl.float32  # float32 x: full precision, not TF32
     if DOT_FP32:
         compute = tl.float32
@@ -184,55 +200,150 @@ def _quantized_linear_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if BITS == 8:  # q exact in x's dtype (|q| <= 127); the row's scale multiplies the sum once, at the end
+    if BITS == 8:  # q exact in x's dtype (|q| <= 127); the row's scale multiplies the sum once, at the end
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
+            k_mask = offs_k < k_hi
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
                         mask=n_mask[:, None] & k_mask[None, :], other=0)  # fmt: skip
             acc += _mma(x.to(compute), w.to(compute), SWAP, IEEE)
-        else:
-            # Byte j of a row holds columns 2j (low nibble) and 2j + 1 (high): the low nibbles meet the even
-            # columns of x, the high ones the odd columns, two products of half the width, a group at a time
-            # (SUB columns: the group, or the whole step when it is narrower). In a group,
-            # sum_k x_k s (q_k - z) = s (sum_k x_k q_k - z sum_k x_k): the scale and zero point act on the
-            # (BLOCK_M, BLOCK_N) partial product, not on every weight. And q is not converted to a float by an
-            # int-to-float instruction (a quarter of the FP32 rate on recent GPUs, the kernel's limit if used):
-            # written into the low mantissa bits of MAGIC (128 in bfloat16, 1024 in float16, spaced 1 apart
-            # there), its bits read as MAGIC + q; the products then count MAGIC sum_k x_k extra, taken off with z.
-            for sub in tl.static_range(BLOCK_K // SUB):
-                kk = k0 + sub * SUB
-                offs_b = kk // 2 + tl.arange(0, SUB // 2)
-                b_mask = offs_b < K // 2
-                byte = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + offs_b[None, :],
-                               mask=n_mask[:, None] & b_mask[None, :], other=0)  # fmt: skip
-                x_mask = m_mask[:, None] & b_mask[None, :]
-                x_even = tl.load(x_rows + 2 * offs_b[None, :], mask=x_mask, other=0.0)
-                x_odd = tl.load(x_rows + 2 * offs_b[None, :] + 1, mask=x_mask, other=0.0)
-                if MAGIC_BITS:
-                    lo = ((byte & 15).to(tl.int32) | MAGIC_BITS).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
-                    hi = ((byte >> 4).to(tl.int32) | MAGIC_BITS).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
-                else:
-                    lo, hi = byte & 15, byte >> 4
-                part = _mma(x_even.to(compute), lo.to(compute), SWAP, IEEE)
-                part += _mma(x_odd.to(compute), hi.to(compute), SWAP, IEEE)
-                x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)  # (BLOCK_M,)
-                g_mask = n_mask & (kk < K)
-                group = offs_n.to(tl.int64) * (K // GROUP) + kk // GROUP
-                scale = tl.load(scale_ptr + group, mask=g_mask, other=0.0)
-                zero = tl.load(zero_ptr + group, mask=g_mask, other=0.0) + MAGIC
-                acc += (part - _per_n(zero, SWAP) * _per_m(x_sum, SWAP)) * _per_n(scale, SWAP)
-    if BITS == 8:
-        acc = acc * _per_n(tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0), SWAP)
-    if HAS_BIAS:
-        acc = acc + _per_n(tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32), SWAP)
-    if SWAP:
-        out = y_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
     else:
-        out = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        # Byte j of a row holds columns 2j (low nibble) and 2j + 1 (high): the low nibbles meet the even columns
+        # of x, the high ones the odd columns, two products of half the width. A step stays in one group, so
+        # sum_k x_k s (q_k - z) = s (sum_k x_k q_k - z sum_k x_k): the scale and zero point act on the
+        # (BLOCK_M, BLOCK_N) partial product, not on every weight. q is not converted by an int-to-float
+        # instruction (a quarter of the FP32 rate): written into the low mantissa bits of MAGIC (128 in
+        # bfloat16, 1024 in float16, floats spaced 1 apart there), its bits read as MAGIC + q; the products
+        # then count MAGIC sum_k x_k extra, taken off with z. The next step's bytes, scales and zero points are
+        # loaded before this step's products (Triton's pipelining does not take these loads, which feed integer
+        # operations, not a product directly), so a step's memory latency hides behind the previous step.
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * (K // 2)
+        groups = offs_n.to(tl.int64) * (K // GROUP)
+        first = k_lo // 2 + offs_j
+        byte_next = tl.load(w_rows + first[None, :], mask=n_mask[:, None] & (first < k_hi // 2)[None, :], other=0)
+        scale_next = tl.load(scale_ptr + groups + k_lo // GROUP, mask=n_mask & (k_lo < k_hi), other=0.0)
+        zero_next = tl.load(zero_ptr + groups + k_lo // GROUP, mask=n_mask & (k_lo < k_hi), other=0.0)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            byte, scale, zero = byte_next, scale_next, zero_next
+            k1 = k0 + BLOCK_K
+            nxt = k1 // 2 + offs_j
+            byte_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_hi // 2)[None, :], other=0)
+            scale_next = tl.load(scale_ptr + groups + k1 // GROUP, mask=n_mask & (k1 < k_hi), other=0.0)
+            zero_next = tl.load(zero_ptr + groups + k1 // GROUP, mask=n_mask & (k1 < k_hi), other=0.0)
+            offs_b = k0 // 2 + offs_j
+            x_mask = m_mask[:, None] & (offs_b < k_hi // 2)[None, :]
+            x_even = tl.load(x_rows + 2 * offs_b[None, :], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_rows + 2 * offs_b[None, :] + 1, mask=x_mask, other=0.0)
+            if MAGIC_BITS:
+                lo = ((byte & 15).to(tl.int32) | MAGIC_BITS).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
+                hi = ((byte >> 4).to(tl.int32) | MAGIC_BITS).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
+            else:
+                lo, hi = byte & 15, byte >> 4
+            part = _mma(x_even.to(compute), lo.to(compute), SWAP, IEEE)
+            part += _mma(x_odd.to(compute), hi.to(compute), SWAP, IEEE)
+            x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)  # (BLOCK_M,)
+            acc += (part - _per_n(zero + MAGIC, SWAP) * _per_m(x_sum, SWAP)) * _per_n(scale, SWAP)
+    tile = pid_m * tl.num_programs(0) + pid_n
+    _finish(acc, offs_m, offs_n, M, N, tile, tl.program_id(2), scale_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
+            BITS, HAS_BIAS, SPLIT_K, SWAP)  # fmt: skip
+
+
+@triton.jit
+def _finish(acc, offs_m, offs_n, M, N, tile, split_id, scale_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
+            BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
+    """Write a program's tile of y: its partial product, scaled (int8), biased and rounded, or with SPLIT_K > 1 its
+    share into part_ptr, the split that arrives last at the tile's counter adding them all up, in split order."""
+    n_mask, m_mask = offs_n < N, offs_m < M
+    if SWAP:
+        at = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        keep = m_mask[None, :] & n_mask[:, None]
+    else:
+        at = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        keep = m_mask[:, None] & n_mask[None, :]
+    last = True
+    if SPLIT_K > 1:
+        tl.store(part_ptr + split_id * M * N + at, acc, mask=keep)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        last = done == SPLIT_K - 1
+        if last:
+            acc = tl.load(part_ptr + at, mask=keep, other=0.0, cache_modifier=".cg")
+            for split in range(1, SPLIT_K):
+                acc += tl.load(part_ptr + split * M * N + at, mask=keep, other=0.0, cache_modifier=".cg")
+    if last:
+        if BITS == 8:
+            acc = acc * _per_n(tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0), SWAP)
+        if HAS_BIAS:
+            acc = acc + _per_n(tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32), SWAP)
+        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _quantized_gemv_kernel(
+    x_ptr,  # (K,) one row of activations, unit stride
+    w_ptr, scale_ptr, zero_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,  # as in _quantized_linear_kernel
+    N, K,  # output features, input features
+    K_SPLIT,  # columns of K a split, a multiple of BLOCK_K
+    BITS: tl.constexpr, GROUP: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,  # as there
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # output features a program, columns a step
+):  # fmt: skip
+    # One row of x: no tensor-core product (its tiles are 16 rows, 15 of them padding, and its operands must be
+    # laid out through shared memory). Each thread multiplies and adds its weights into a float32 tile
+    # (BLOCK_N, BLOCK_K), summed along K once at the end; int4 dequantizes each weight with its group's scale
+    # and zero point, one multiply-add: w = (MAGIC + q) s - (MAGIC + z) s.
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_lo = tl.program_id(1) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    # Each step's weights are loaded one step ahead (registers, not Triton's pipelining, which takes only the
+    # loads that feed a tensor-core product), so a step's memory latency hides behind the previous one.
+    if BITS == 8:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+        first = k_lo + tl.arange(0, BLOCK_K)
+        w_next = tl.load(w_rows + first[None, :], mask=n_mask[:, None] & (first < k_hi)[None, :], other=0)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            w = w_next
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            nxt = offs_k + BLOCK_K
+            w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_hi)[None, :], other=0)
+            x = tl.load(x_ptr + offs_k, mask=offs_k < k_hi, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * (K // 2)
+        groups = offs_n.to(tl.int64) * (K // GROUP)
+        first = k_lo // 2 + tl.arange(0, BLOCK_K // 2)
+        byte_next = tl.load(w_rows + first[None, :], mask=n_mask[:, None] & (first < k_hi // 2)[None, :], other=0)
+        scale_next = tl.load(scale_ptr + groups + k_lo // GROUP, mask=n_mask & (k_lo < k_hi), other=0.0)
+        zero_next = tl.load(zero_ptr + groups + k_lo // GROUP, mask=n_mask & (k_lo < k_hi), other=0.0)
+        for k0 in range(k_lo, k_hi, BLOCK_K):  # a step stays in one group (BLOCK_K divides GROUP)
+            byte, scale, zero = byte_next, scale_next, zero_next
+            k1 = k0 + BLOCK_K
+            nxt = k1 // 2 + tl.arange(0, BLOCK_K // 2)
+            byte_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_hi // 2)[None, :], other=0)
+            scale_next = tl.load(scale_ptr + groups + k1 // GROUP, mask=n_mask & (k1 < k_hi), other=0.0)
+            zero_next = tl.load(zero_ptr + groups + k1 // GROUP, mask=n_mask & (k1 < k_hi), other=0.0)
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b_mask = offs_b < k_hi // 2
+            shift = -(zero + MAGIC) * scale
+            x_even = tl.load(x_ptr + 2 * offs_b, mask=b_mask, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + 2 * offs_b + 1, mask=b_mask, other=0.0).to(tl.float32)
+            if MAGIC_BITS:
+                lo = ((byte & 15).to(tl.int32) | MAGIC_BITS).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
+                hi = ((byte >> 4).to(tl.int32) | MAGIC_BITS).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
+            else:
+                lo, hi = byte & 15, byte >> 4
+            acc += (lo.to(tl.float32) * scale[:, None] + shift[:, None]) * x_even[None, :]
+            acc += (hi.to(tl.float32) * scale[:, None] + shift[:, None]) * x_odd[None, :]
+    y = tl.expand_dims(tl.sum(acc, axis=1), 1)  # (BLOCK_N, 1): the tile of y^T for _finish
+    row = tl.zeros([1], dtype=tl.int32)
+    _finish(y, row, offs_n, 1, N, pid_n, tl.program_id(1), scale_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
+            BITS, HAS_BIAS, SPLIT_K, True)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,17 +355,28 @@ def _forward(x, weight, scale, zero, bias, bits: int, group: int, settings: Opti
     N = weight.shape[0]
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M and N:
-        c = dict(settings or config(M, N, K, bits, group, x.device))
-        sub = min(c["BLOCK_K"], group) if bits == 4 else c["BLOCK_K"]
-        if bits == 4 and (c["BLOCK_K"] % sub or group % sub):
-            raise ValueError(f"int4: BLOCK_K {c['BLOCK_K']} and the group {group} must be multiples of one another")
+        c = dict(settings or config(M, N, K, bits, group, x.device, x.element_size()))
+        split = c.pop("SPLIT_K", 1)
+        if bits == 4 and group % c["BLOCK_K"]:
+            raise ValueError(f"int4: BLOCK_K {c['BLOCK_K']} must divide the group {group} (one group a step)")
+        k_split = triton.cdiv(triton.cdiv(K, split), c["BLOCK_K"]) * c["BLOCK_K"]
+        split = triton.cdiv(K, k_split)  # no split without columns
+        grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]), split)
+        part = torch.empty((split, M, N) if split > 1 else (1,), device=x.device, dtype=torch.float32)
+        count = torch.zeros(grid[0] * grid[1] if split > 1 else 1, device=x.device, dtype=torch.int32)
         magic_bits, magic = MAGIC.get(x.dtype, (0, 0.0))
-        grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]))
-        _quantized_linear_kernel[grid](
-            rows, weight, scale, zero if zero is not None else scale, bias if bias is not None else y, y, M, N, K,
-            rows.stride(0), BITS=bits, GROUP=group, SUB=sub, MAGIC_BITS=magic_bits, MAGIC=magic,
-            HAS_BIAS=bias is not None, DOT_FP32=is_interpreting(), **c,
-        )  # fmt: skip
+        args = (weight, scale, zero if zero is not None else scale, bias if bias is not None else y, y, part, count)
+        constants = dict(BITS=bits, GROUP=group, MAGIC_BITS=magic_bits, MAGIC=magic, HAS_BIAS=bias is not None,
+                         SPLIT_K=split)  # fmt: skip
+        if c.pop("GEMV", False):  # one row: c holds BLOCK_N, BLOCK_K and the launch settings
+            if M != 1:
+                raise ValueError(f"the GEMV kernel takes one row of x, got {M}")
+            c.pop("BLOCK_M", None), c.pop("SWAP", None)
+            _quantized_gemv_kernel[(grid[0], split)](rows, *args, N, K, k_split, **constants, **c)
+        else:
+            _quantized_linear_kernel[grid](
+                rows, *args, M, N, K, rows.stride(0), k_split, DOT_FP32=is_interpreting(), **constants, **c
+            )
     return y.view(*x.shape[:-1], N)
 
 
