@@ -12,11 +12,11 @@ tensor cores in x's dtype, so nothing but the small integers and the scales come
 a byte, the even column in the low nibble. int8's scale multiplies the accumulator once at the end (one scale a
 row); int4's scale and zero point act on the partial product of each group (the kernel's comments say how).
 
-Speed (H200, bf16, CUDA graphs, weights read from memory; benchmarks/NOTES.md, 2026-11-29): int8 1.06-1.58x
-bf16 ``F.linear`` at the 7B and 1B shapes (39-71% of the copy ceiling; cuBLAS reads bf16 at 42-90%), but not
-yet 2x, and torchao's compiled int8 is ahead at one row (1.37-1.77x). int4 is correct but slower than bf16
-(2-23% of copy: its byte loads are not pipelined the way int8's are, the suspected cause, unmeasured): for int4
-weights use torchao's ``Int4WeightOnlyConfig`` (tinygemm, 1.2-1.95x bf16 at one row) until this kernel is fixed.
+Speed (H200, bf16, one row, CUDA graphs, weights read from memory; benchmarks/NOTES.md, 2026-11-29): int8 is
+0.93-1.54x bf16 ``F.linear`` at the 7B and 1B shapes (20-70% of the copy ceiling, where cuBLAS reads bf16 at
+42-90%), short of the 2x its bytes allow; torchao's compiled int8 is ahead at the 7B qkv, o and gate-up shapes
+(1.14-1.77x) and behind at the others (0.17-0.83x). int4 is correct but slower than bf16 (0.6-0.97x, 10-23% of
+copy): for int4 weights use torchao's ``Int4WeightOnlyConfig`` (tinygemm, 1.2-1.95x bf16 at one row) for now.
 
 Rounding is to nearest. Quantization error: at most scale / 2 a weight (int8: max |W[n]| / 254; int4: the group's
 range / 30); the kernel's own error is float32 accumulation. Inference only (no autograd).
@@ -97,26 +97,28 @@ MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 def config(M: int, N: int, K: int, bits: int, group: int, device: torch.device, x_bytes: int = 2) -> dict:
     """The kernel's tile and launch settings for y (M, N) = x (M, K) @ W^T: 16 rows of x a program for a decoding
     step (the smallest tile of a tensor-core product), and narrow output tiles, so that the programs cover every
-    SM and the weight is streamed by the whole GPU. ``benchmarks/sweep_quantized_linear.py`` measures the
+    SM and the weight is streamed by the whole GPU. ``benchmarks/bench_quantized_linear.py --sweep`` measures the
     alternatives."""
-    gemv = M == 1  # one row: CUDA cores (_quantized_gemv_kernel), no padded tensor-core tile
     if is_interpreting():
-        return dict(GEMV=gemv, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=2 if K >= 128 else 1, SWAP=False,
-                    num_warps=4, num_stages=1)  # fmt: skip
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=2 if K >= 128 else 1, SWAP=False, num_warps=4,
+                    num_stages=1)  # fmt: skip
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    # (H200, benchmarks/NOTES.md, 2026-11-29) rows of y a program, bytes of a row a step, then splits of K until
-    # about four programs an SM stream the weight
+    # The best settings of benchmarks/bench_quantized_linear.py --sweep (H200, 2026-11-29, benchmarks/NOTES.md):
+    # int8 32 output rows a program (64 for long rows), 256 columns a step; int4 128 rows, 128 columns (64
+    # bytes a row, one group); then splits of K, at most 4 (int8) or 8 (int4), until about four programs an SM
+    # stream the weight.
     block_m = 16 if M <= 16 else 64
-    block_n = 16 if gemv else 32
-    block_k = (512 if gemv or K >= 12288 else 256) if bits == 8 else min(group, 256 if gemv else 128)
+    if bits == 8:
+        block_n, block_k, most, stages = (64 if K >= 12288 else 32), 256, 4, 4
+    else:
+        block_n, block_k, most, stages = 128, min(group, 128), 8, 2
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     split = 1
-    while tiles * split * 2 <= 4 * sms and K // (split * 2) >= 2 * block_k:
+    while split < most and tiles * split * 2 <= 4 * sms and K // (split * 2) >= 2 * block_k:
         split *= 2
-    stages = 4 if bits == 8 else 2
-    if not gemv and (block_m == 64 or x_bytes == 4):  # x's tile grows: keep the stages within shared memory
-        block_k, stages = min(block_k, 128), min(stages, 3)
-    return dict(GEMV=gemv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SWAP=False,
+    if block_m == 64 or x_bytes == 4:  # x's tile grows: keep the stages within shared memory
+        block_n, block_k, stages = min(block_n, 64), min(block_k, 128), min(stages, 3)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SWAP=False,
                 num_warps=4 if block_m == 16 else 8, num_stages=stages)  # fmt: skip
 
 
@@ -280,72 +282,6 @@ def _finish(acc, offs_m, offs_n, M, N, tile, split_id, scale_ptr, bias_ptr, y_pt
         tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=keep)
 
 
-@triton.jit
-def _quantized_gemv_kernel(
-    x_ptr,  # (K,) one row of activations, unit stride
-    w_ptr, scale_ptr, zero_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,  # as in _quantized_linear_kernel
-    N, K,  # output features, input features
-    K_SPLIT,  # columns of K a split, a multiple of BLOCK_K
-    BITS: tl.constexpr, GROUP: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,  # as there
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # output features a program, columns a step
-):  # fmt: skip
-    # One row of x: no tensor-core product (its tiles are 16 rows, 15 of them padding, and its operands must be
-    # laid out through shared memory). Each thread multiplies and adds its weights into a float32 tile
-    # (BLOCK_N, BLOCK_K), summed along K once at the end; int4 dequantizes each weight with its group's scale
-    # and zero point, one multiply-add: w = (MAGIC + q) s - (MAGIC + z) s.
-    pid_n = tl.program_id(0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    k_lo = tl.program_id(1) * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    # Each step's weights are loaded one step ahead (registers, not Triton's pipelining, which takes only the
-    # loads that feed a tensor-core product), so a step's memory latency hides behind the previous one.
-    if BITS == 8:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
-        first = k_lo + tl.arange(0, BLOCK_K)
-        w_next = tl.load(w_rows + first[None, :], mask=n_mask[:, None] & (first < k_hi)[None, :], other=0)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            w = w_next
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            nxt = offs_k + BLOCK_K
-            w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_hi)[None, :], other=0)
-            x = tl.load(x_ptr + offs_k, mask=offs_k < k_hi, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * (K // 2)
-        groups = offs_n.to(tl.int64) * (K // GROUP)
-        first = k_lo // 2 + tl.arange(0, BLOCK_K // 2)
-        byte_next = tl.load(w_rows + first[None, :], mask=n_mask[:, None] & (first < k_hi // 2)[None, :], other=0)
-        scale_next = tl.load(scale_ptr + groups + k_lo // GROUP, mask=n_mask & (k_lo < k_hi), other=0.0)
-        zero_next = tl.load(zero_ptr + groups + k_lo // GROUP, mask=n_mask & (k_lo < k_hi), other=0.0)
-        for k0 in range(k_lo, k_hi, BLOCK_K):  # a step stays in one group (BLOCK_K divides GROUP)
-            byte, scale, zero = byte_next, scale_next, zero_next
-            k1 = k0 + BLOCK_K
-            nxt = k1 // 2 + tl.arange(0, BLOCK_K // 2)
-            byte_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_hi // 2)[None, :], other=0)
-            scale_next = tl.load(scale_ptr + groups + k1 // GROUP, mask=n_mask & (k1 < k_hi), other=0.0)
-            zero_next = tl.load(zero_ptr + groups + k1 // GROUP, mask=n_mask & (k1 < k_hi), other=0.0)
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            b_mask = offs_b < k_hi // 2
-            shift = -(zero + MAGIC) * scale
-            x_even = tl.load(x_ptr + 2 * offs_b, mask=b_mask, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptr + 2 * offs_b + 1, mask=b_mask, other=0.0).to(tl.float32)
-            if MAGIC_BITS:
-                lo = ((byte & 15).to(tl.int32) | MAGIC_BITS).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
-                hi = ((byte >> 4).to(tl.int32) | MAGIC_BITS).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
-            else:
-                lo, hi = byte & 15, byte >> 4
-            acc += (lo.to(tl.float32) * scale[:, None] + shift[:, None]) * x_even[None, :]
-            acc += (hi.to(tl.float32) * scale[:, None] + shift[:, None]) * x_odd[None, :]
-    y = tl.expand_dims(tl.sum(acc, axis=1), 1)  # (BLOCK_N, 1): the tile of y^T for _finish
-    row = tl.zeros([1], dtype=tl.int32)
-    _finish(y, row, offs_n, 1, N, pid_n, tl.program_id(1), scale_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
-            BITS, HAS_BIAS, SPLIT_K, True)  # fmt: skip
-
-
 # --------------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------------
@@ -368,15 +304,9 @@ def _forward(x, weight, scale, zero, bias, bits: int, group: int, settings: Opti
         args = (weight, scale, zero if zero is not None else scale, bias if bias is not None else y, y, part, count)
         constants = dict(BITS=bits, GROUP=group, MAGIC_BITS=magic_bits, MAGIC=magic, HAS_BIAS=bias is not None,
                          SPLIT_K=split)  # fmt: skip
-        if c.pop("GEMV", False):  # one row: c holds BLOCK_N, BLOCK_K and the launch settings
-            if M != 1:
-                raise ValueError(f"the GEMV kernel takes one row of x, got {M}")
-            c.pop("BLOCK_M", None), c.pop("SWAP", None)
-            _quantized_gemv_kernel[(grid[0], split)](rows, *args, N, K, k_split, **constants, **c)
-        else:
-            _quantized_linear_kernel[grid](
-                rows, *args, M, N, K, rows.stride(0), k_split, DOT_FP32=is_interpreting(), **constants, **c
-            )
+        _quantized_linear_kernel[grid](
+            rows, *args, M, N, K, rows.stride(0), k_split, DOT_FP32=is_interpreting(), **constants, **c
+        )
     return y.view(*x.shape[:-1], N)
 
 
