@@ -39,12 +39,19 @@ versions) as soon as it finishes, so a run killed later keeps what finished, and
   GraphedDecoder (kernel_lib and native, and kernel_lib with its linears in int8 or int4 weights by
   ``kernel_lib.quantize_``, group 128, the output head kept bf16: ``--decode-quantized``), our eager ``greedy`` with
   the cache (kernel_lib and native), Hugging Face ``generate`` with its dynamic cache (eager) and with
-  ``cache_implementation="static"`` (it compiles its decode step itself); ``--decoders`` runs a subset. A generation is timed whole with ``bench.time_fn`` after an untimed first one (compile,
-  capture); time to first token (TTFT) is a generation of one token; decode tokens/s = batch x 127 / (generation
-  - TTFT), against the bandwidth limit: the copy ceiling measured in the same run over the bytes each step must
-  read (every weight once, in its stored format, the KV cache up to the position). Token identity: the first 64 new tokens of each
-  decoder against its reference (graphed against eager of the same version, HF against our native eager), as the
-  shortest common prefix over the batch. Prefill: tokens/s of a ``--prefill-len`` prompt at batch 1.
+  ``cache_implementation="static"`` (it compiles its decode step itself); ``--decoders`` runs a subset. A
+  generation is timed whole with ``bench.time_fn`` after an untimed first one (compile, capture); time to first
+  token (TTFT) is a generation of one token; decode tokens/s = batch x 127 / (generation - TTFT), against the
+  bandwidth limit: the copy ceiling measured in the same run over the bytes each step must read (every weight once,
+  in its stored format, the KV cache up to the position). Token identity: the first 64 new tokens of each decoder
+  against its reference (graphed against eager of the same version, HF against our native eager), as the shortest
+  common prefix over the batch. Prefill: tokens/s of a ``--prefill-len`` prompt at batch 1. The weights are random
+  here, so near-equal logits make tokens part for no reason; the quality phase checks tokens on trained weights.
+* ``quality``: the training model (``--size``) trained ``--quality-steps`` steps (kernel_lib, eager, AdamW) and
+  saved to ``--trained`` (default ``<out>/trained_<size>.pt``; a checkpoint of the same recipe is reused, so a
+  killed run retrains nothing it finished), then for bf16 and the ``--decode-quantized`` formats: perplexity on
+  ``--eval-batches`` windows of the held-out split, and the greedy tokens (``--new-tokens`` after a
+  ``--prompt-len`` prompt of held-out text, 4 sequences) that each format shares with bf16's.
 
 ``--size`` picks the training model (``SIZES``: 125m, 350m, 1b; vocabulary 32768). ``--tiny`` runs every phase at
 toy sizes (float32, a 2-layer d 64 model, a few steps) on the GPU or, with Triton interpreted, on the CPU, where
@@ -89,6 +96,7 @@ from kernel_lib.bench.capstone import (  # noqa: E402
     fusion_floor_ms,
     generation_times,
     hf_generate,
+    loss_curve,
     loss_curves,
     make_optimizer,
     profile_families,
@@ -100,6 +108,7 @@ from kernel_lib.models import (  # noqa: E402
     GPT,
     GPTConfig,
     GraphedDecoder,
+    batches,
     encode_corpus,
     fixed_batch,
     greedy,
@@ -116,9 +125,10 @@ from kernel_lib.ops.quantized_linear import quantize_  # noqa: E402
 # --------------------------------------------------------------------------------------------------
 # Run sizes: the measurement, and --tiny's smoke test. Arguments left unset on the command line come from here.
 FULL = dict(batch=8, seq_len=1024, steps=200, max_batch=256, prompt_len=64, new_tokens=128, prefill_len=1024,
-            decode_batches="1,16", rep_ms=500.0, profile_steps=3, reruns=RERUNS)  # fmt: skip
+            decode_batches="1,16", rep_ms=500.0, profile_steps=3, reruns=RERUNS, quality_steps=1000,
+            eval_batches=8)  # fmt: skip
 TINY = dict(batch=2, seq_len=8, steps=4, max_batch=2, prompt_len=4, new_tokens=4, prefill_len=16,
-            decode_batches="1,2", rep_ms=10.0, profile_steps=1, reruns=2)  # fmt: skip
+            decode_batches="1,2", rep_ms=10.0, profile_steps=1, reruns=2, quality_steps=4, eval_batches=1)  # fmt: skip
 TINY_FILES = 40  # --tiny trains its tokenizer on the first 40 files of the standard library: about a second
 IDENTICAL_TOKENS = 64  # the token-identity check covers the first 64 new tokens
 DECODE = dict(vocab_size=32768, d_model=2048, n_layers=16, n_heads=16, d_ff=8192)  # see the module docstring
@@ -134,6 +144,7 @@ class Context:
     compile: bool
     env: dict
     tokens: torch.Tensor  # the corpus' training split, int32 on the CPU
+    val_tokens: torch.Tensor  # its held-out split (the last 1%), never trained on
     _source: Optional[GPT] = None
 
     @property
@@ -155,17 +166,17 @@ class Context:
         return "" if self.compile else "compile skipped on the CPU: runs eagerly"
 
 
-def load_corpus(args, vocab_size: int) -> torch.Tensor:
+def load_corpus(args, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     files = stdlib_files()[:TINY_FILES] if args.tiny else None
     start = time.perf_counter()
     tokenizer = train_tokenizer(vocab_size, files=files, cache_dir=args.cache_dir)
     tokens = encode_corpus(tokenizer, files=files, cache_dir=args.cache_dir)
-    train, _ = train_val_split(tokens)
+    train, val = train_val_split(tokens)
     print(
         f"corpus: {len(tokens):,} tokens of the standard library's sources, BPE vocabulary "
         f"{tokenizer.get_vocab_size():,} (model: {vocab_size:,}); {time.perf_counter() - start:.1f} s"
     )
-    return train
+    return train, val
 
 
 def _step_fn(version: Version, optimizer, idx, targets) -> Callable[[], torch.Tensor]:
@@ -474,7 +485,82 @@ def prefill_rows(ctx: Context, models: dict[str, GPT], hf, timing: dict) -> list
     return rows
 
 
-PHASES = {"train": phase_train, "loss": phase_loss, "batch": phase_batch, "decode": phase_decode}
+def trained_model(ctx: Context) -> GPT:
+    """The quality phase's model: the training model (``--size``) from ``ctx.source``, trained ``--quality-steps``
+    steps of AdamW at ``--batch`` x ``--seq-len`` on the training split (kernel_lib version, eager), saved to
+    ``--trained`` (a temporary file renamed into place: a killed run leaves the old file or none). A checkpoint of
+    the same configuration, seed and steps is loaded instead of training again."""
+    args, device = ctx.args, ctx.device
+    config = dataclasses.replace(ctx.config, impl="kernel_lib")
+    path = args.trained or os.path.join(args.out, f"trained_{'tiny' if args.tiny else args.size}.pt")
+    recipe = {"config": dataclasses.asdict(config), "steps": args.quality_steps, "batch": args.batch,
+              "lr": args.lr, "seed": args.seed, "dtype": str(ctx.dtype)}  # fmt: skip
+    model = GPT(config, device=device, dtype=ctx.dtype)
+    if os.path.exists(path):
+        saved = torch.load(path, map_location=device, weights_only=True)
+        if saved.get("recipe") != recipe:
+            raise SystemExit(f"{path} holds a model trained otherwise ({saved.get('recipe')}); this run needs "
+                             f"{recipe}: pass another --trained path or remove it")  # fmt: skip
+        model.load_state_dict(saved["model"])
+        print(f"  trained model loaded from {path} ({args.quality_steps} steps)")
+        return model
+    transfer_weights(ctx.source, model)
+    optimizer = make_optimizer(model, args.lr)
+    stream = batches(ctx.tokens, args.batch, args.seq_len, torch.Generator().manual_seed(args.seed), device)
+    start = time.perf_counter()
+    losses = []
+    for chunk in bench.progress(range(0, args.quality_steps, 50), desc="quality: training"):
+        losses += loss_curve(model, optimizer, stream, min(50, args.quality_steps - chunk))
+    del optimizer
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    torch.save({"recipe": recipe, "model": model.state_dict(), "losses": losses}, tmp)
+    os.replace(tmp, path)
+    print(f"  trained {args.quality_steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+          f"({time.perf_counter() - start:,.0f} s); wrote {path}")  # fmt: skip
+    return model
+
+
+@torch.no_grad()
+def perplexity(model: GPT, tokens: torch.Tensor, n_batches: int, batch: int, seq_len: int, seed: int, device) -> float:
+    """exp of the mean next-token cross-entropy over ``n_batches`` fixed windows of ``tokens`` (seeds seed..)."""
+    losses = [float(model(*fixed_batch(tokens, batch, seq_len, seed=seed + i, device=device)))
+              for i in range(n_batches)]  # fmt: skip
+    return math.exp(sum(losses) / len(losses))
+
+
+def phase_quality(ctx: Context, rows: list[dict]) -> None:
+    """What the weight formats cost in quality, on trained weights (random ones make near-equal logits, so greedy
+    tokens part for no reason): perplexity on the held-out split for bf16, int8 and int4 (``quantize_``, the output
+    head kept bf16), and how many of the greedy tokens each format generates match bf16's."""
+    args, device = ctx.args, ctx.device
+    print(f"\nquality: the {'tiny' if args.tiny else args.size} model trained {args.quality_steps} steps, "
+          f"perplexity over {args.eval_batches} held-out batches of {args.batch} x {args.seq_len}")  # fmt: skip
+    model = trained_model(ctx).eval()
+    group = 128 if model.config.d_model % 128 == 0 else 32
+    formats = {"bf16" if ctx.dtype == torch.bfloat16 else str(ctx.dtype).removeprefix("torch."): model}
+    for bits in [int(b) for b in args.decode_quantized.split(",") if b]:
+        formats[f"int{bits}"] = quantize_(copy.deepcopy(model), bits=bits, group=group, skip=("head",))
+    P, N = args.prompt_len, args.new_tokens
+    prompt = fixed_batch(ctx.val_tokens, 4, P, seed=args.seed, device=device)[0]
+    outputs, reference = {}, next(iter(formats))
+    for name, m in formats.items():
+        ppl = perplexity(m, ctx.val_tokens, args.eval_batches, args.batch, args.seq_len, args.seed, device)
+        outputs[name] = greedy(m, prompt, N)
+        new, ref = outputs[name][:, P:], outputs[reference][:, P:]
+        rows.append({
+            "phase": "quality", "format": name, "steps": args.quality_steps, "val_perplexity": ppl,
+            "group": group if name.startswith("int4") else None,
+            "greedy_equal_share": float((new == ref).float().mean()), "greedy_prefix": common_prefix(
+                outputs[name], outputs[reference], P, N), "greedy_tokens": N, "compared_with": reference,
+        })  # fmt: skip
+        print(f"  {name:<6} perplexity {ppl:9.3f}   greedy tokens equal to {reference}'s: "
+              f"{rows[-1]['greedy_equal_share']:.1%} (first {rows[-1]['greedy_prefix']} of {N} in a row)")  # fmt: skip
+    release(device)
+
+
+PHASES = {"train": phase_train, "loss": phase_loss, "batch": phase_batch, "decode": phase_decode,
+          "quality": phase_quality}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -503,6 +589,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rep-ms", type=float, help=f"timing window per measurement (default {FULL['rep_ms']})")
     parser.add_argument("--profile-steps", type=int, help=f"steps profiled (default {FULL['profile_steps']})")
     parser.add_argument("--cache-dir", help="tokenizer and corpus cache (default ~/.cache/kernel_lib)")
+    parser.add_argument("--quality-steps", type=int, help=f"training steps of the quality phase's model "
+                        f"(default {FULL['quality_steps']})")  # fmt: skip
+    parser.add_argument("--eval-batches", type=int,
+                        help=f"held-out batches for perplexity (default {FULL['eval_batches']})")  # fmt: skip
+    parser.add_argument("--trained", help="the quality phase's checkpoint (default <out>/trained_<size>.pt: reused "
+                        "when it exists for this model and step count, else trained and written)")  # fmt: skip
     args = parser.parse_args(argv)
     for key, value in (TINY if args.tiny else FULL).items():
         if getattr(args, key) is None:
@@ -530,7 +622,7 @@ def main(argv=None) -> int:
         print("torch.compile skipped on the CPU (Inductor's C++ build takes longer than this run): compiled versions "
               "run eagerly")  # fmt: skip
     vocab = SIZES["tiny" if args.tiny else args.size]["vocab_size"]
-    ctx = Context(args, device, dtype, compile_, env, load_corpus(args, vocab))
+    ctx = Context(args, device, dtype, compile_, env, *load_corpus(args, vocab))
     rows: list[dict] = []
     for name in phases:
         start = time.perf_counter()

@@ -118,7 +118,8 @@ def test_tiny_run_writes_every_phase(script, tmp_path):
     assert script.main(["--tiny", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]) == 0
     with open(tmp_path / "capstone.csv") as handle:
         rows = list(csv.DictReader(handle))
-    phase = {name: [r for r in rows if r["phase"] == name] for name in ("train", "loss", "batch", "decode", "prefill")}
+    names = ("train", "loss", "batch", "decode", "prefill", "quality")
+    phase = {name: [r for r in rows if r["phase"] == name] for name in names}
     versions = list(script.VERSIONS)
 
     assert [r["version"] for r in phase["train"]] == versions
@@ -149,6 +150,24 @@ def test_tiny_run_writes_every_phase(script, tmp_path):
             assert row["identical_prefix"] == row["identical_goal"] == str(script.TINY["new_tokens"]), row
         assert float(row["tokens_per_s"]) > 0 and float(row["limit_tokens_per_s"]) > 0, row
     assert {r["decoder"] for r in phase["prefill"]} == {"ours: kernel_lib", "ours: native", "HF"}
+
+    # the quality phase: a trained checkpoint written, each format's held-out perplexity, tokens against the first
+    assert [r["format"] for r in phase["quality"]] == ["float32", "int8", "int4"]
+    assert (tmp_path / "trained_tiny.pt").exists()
+    for row in phase["quality"]:
+        assert 1.0 < float(row["val_perplexity"]) < 2 * 512, row  # finite, and no worse than twice chance
+    assert float(phase["quality"][0]["greedy_equal_share"]) == 1.0  # the reference against itself
+
+
+def test_quality_phase_reuses_a_matching_checkpoint_and_refuses_another(script, tmp_path, capsys):
+    args = ["--tiny", "--phase", "quality", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
+            "--decode-quantized", ""]  # fmt: skip
+    assert script.main(args) == 0
+    assert "trained 4 steps" in capsys.readouterr().out
+    assert script.main(args) == 0  # a killed or repeated run trains nothing it finished
+    assert "trained model loaded" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="trained otherwise"):  # another recipe never reads this checkpoint
+        script.main([*args, "--quality-steps", "5"])
 
 
 @pytest.mark.parametrize(
