@@ -26,6 +26,7 @@ from .ops.attention import (
 )
 from .ops.cross_entropy import cross_entropy, cross_entropy_ref
 from .ops.decode_attention import decode_attention, decode_attention_ref
+from .ops.float8 import Float8Linear, convert_to_float8, float8_linear, float8_linear_ref
 from .ops.grouped_mm import grouped_mm, grouped_mm_ref
 from .ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from .ops.moe import MoE, moe, moe_ref
@@ -56,6 +57,10 @@ __all__ = [
     "moe",
     "moe_ref",
     "MoE",
+    "float8_linear",
+    "float8_linear_ref",
+    "Float8Linear",
+    "convert_to_float8",
     "int8_linear",
     "int4_linear",
     "QuantizedLinear",

@@ -38,6 +38,8 @@ SMOKE = {
     "with torch.no_grad():\n    m.decode_attention(q, k, k, 20)",
     "quantized_linear.py": "layer = m.QuantizedLinear(torch.nn.Linear(64, 8), bits=4, group=32)\n"
     "with torch.no_grad():\n    layer(torch.randn(2, 64))",
+    "float8.py": "x, w = torch.randn(4, 32, requires_grad=True), torch.randn(8, 32, requires_grad=True)\n"
+    "m.float8_linear(x, w).sum().backward()",
     "grouped_mm.py": "x, w = torch.randn(6, 8, requires_grad=True), torch.randn(2, 8, 4)\n"
     "m.grouped_mm(x, w, torch.tensor([2, 6], dtype=torch.int32)).sum().backward()",
     "moe.py": "layer = m.MoE(16, 32, n_experts=4, top_k=2); y, aux = layer(torch.randn(2, 5, 16))\n"

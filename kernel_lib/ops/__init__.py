@@ -5,7 +5,7 @@ kernels and reference), while ``kernel_lib.softmax`` is the function. Every file
 few need siblings too. To use a kernel in your project, copy these files into one package folder:
 
 * ``swiglu.py``, ``rope.py``, ``cross_entropy.py``, ``grouped_mm.py``, ``decode_attention.py``,
-  ``quantized_linear.py``: with ``_utils.py`` alone;
+  ``quantized_linear.py``, ``float8.py``: with ``_utils.py`` alone;
 * ``norms.py``, ``softmax.py``: with ``_utils.py`` and ``split_rows.py`` (rows too wide for one program shared by
   a team of programs);
 * ``linear_cross_entropy.py``: with ``_utils.py`` and ``cross_entropy.py``;
@@ -29,5 +29,6 @@ COMPANIONS = {
     "grouped_mm.py": (),
     "decode_attention.py": (),
     "quantized_linear.py": (),
+    "float8.py": (),
     "moe.py": ("grouped_mm.py", "swiglu.py"),
 }

@@ -1,0 +1,180 @@
+"""kernel_lib's float8 linear layers: the row quantizer against PyTorch's own cast, the scaled product against float64
+on the same float8 operands, the layer's three products forward and backward against a float64 recipe, the module
+and convert_to_float8 on a model, the custom ops, bad input."""
+
+import pytest
+import torch
+
+from kernel_lib.ops import float8 as f8
+from kernel_lib.ops._utils import is_interpreting
+from kernel_lib.ops.float8 import (
+    Float8Linear,
+    convert_to_float8,
+    float8_linear,
+    quantize_float8,
+    quantize_float8_ref,
+    scaled_mm,
+    scaled_mm_ref,
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def fp8_step(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of float8 numbers at each value's magnitude (subnormals: the smallest)."""
+    mantissa = {E4M3: 3, E5M2: 2}[dtype]
+    tiny = torch.finfo(dtype).smallest_normal
+    exponent = torch.floor(torch.log2(values.abs().clamp_min(tiny)))
+    return 2.0 ** (exponent - mantissa)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("shape", [(5, 40), (3, 2500)], ids=str)  # one step of the row loop; three, the last ragged
+def test_quantize_rows_against_torch_cast(device, dtype, shape):
+    x = torch.randn(shape, device=device) * torch.logspace(-3, 2, shape[0], device=device)[:, None]
+    x[1] = 0  # an all-zero row: scale 1, q 0
+    q, scale = quantize_float8(x, dtype)
+    q_ref, scale_ref = quantize_float8_ref(x, dtype)
+    assert q.dtype == dtype and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+    assert (q[1].float() == 0).all() and scale[1] == 1
+    # on a GPU the cast rounds to nearest like PyTorch's; the interpreter truncates: one float8 step apart at most
+    allowed = fp8_step(q_ref.float(), dtype) if is_interpreting() else torch.zeros_like(q_ref.float())
+    assert ((q.float() - q_ref.float()).abs() <= allowed).all()
+    assert q.float().abs().amax(dim=1)[scale != 1].sub(torch.finfo(dtype).max).abs().max() <= 32  # a row's max
+
+
+def test_quantize_non_contiguous_rows(device):
+    x = torch.randn(64, 48, device=device).t()  # a transposed view: rows with stride 1 along the other axis
+    q, scale = quantize_float8(x)
+    torch.testing.assert_close(scale, quantize_float8_ref(x)[1], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M, N, K", [(33, 70, 96), (1, 16, 32), (40, 48, 200)], ids=str)  # ragged tiles; one row
+@pytest.mark.parametrize("bias", [False, True])
+def test_scaled_mm_against_float64(device, out_dtype, M, N, K, bias):
+    qa, sa = quantize_float8_ref(torch.randn(M, K, device=device))
+    qb, sb = quantize_float8_ref(torch.randn(N, K, device=device))
+    b = torch.randn(N, device=device).to(out_dtype) if bias else None
+    y = scaled_mm(qa, qb, sa, sb, b, out_dtype)
+    want = scaled_mm_ref(qa, qb, sa, sb, b, torch.float64)
+    tol = 1e-5 if out_dtype == torch.float32 else 2**-7  # float32 accumulation; bf16's rounding of the output
+    assert y.dtype == out_dtype and y.shape == (M, N)
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def _recipe64(x, w, b, dy, grad_dtype):
+    """The float8 recipe of the module docstring in float64: every operand quantized as the kernels quantize it."""
+
+    def mm(a, bt):  # a (M, K) @ bt (N, K)^T, each quantized by rows
+        qa, sa = quantize_float8_ref(a, grad_dtype if a is dy or a is dyt else E4M3)
+        qb, sb = quantize_float8_ref(bt)
+        return scaled_mm_ref(qa, qb, sa, sb, None, torch.float64)
+
+    dyt = dy.t()
+    y = mm(x, w) + (b.double() if b is not None else 0)
+    return y, mm(dy, w.t()), mm(dyt, x.t()), (dy.double().sum(0) if b is not None else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("grad_dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_float8_linear_forward_backward_against_the_recipe(device, dtype, grad_dtype, bias):
+    torch.manual_seed(0)
+    x = torch.randn(3, 11, 64, device=device).to(dtype).requires_grad_()  # 33 rows: a ragged tile
+    w = (torch.randn(40, 64, device=device) * 0.1).to(dtype).requires_grad_()
+    b = torch.randn(40, device=device).to(dtype).requires_grad_() if bias else None
+    dy = torch.randn(3, 11, 40, device=device).to(dtype)
+    y = float8_linear(x, w, b, grad_dtype)
+    y.backward(dy)
+    want_y, want_dx, want_dw, want_db = _recipe64(x.detach().reshape(-1, 64), w.detach(), b, dy.reshape(-1, 40),
+                                                  grad_dtype)  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    for got, want in ((y.reshape(-1, 40), want_y), (x.grad.reshape(-1, 64), want_dx), (w.grad, want_dw)):
+        # the interpreter's float8 cast truncates: its operands may sit a float8 step from the reference's
+        step = 2**-3 if is_interpreting() else 0.0
+        torch.testing.assert_close(got.double(), want, rtol=tol + step, atol=(tol + step) * want.abs().max().item())
+    if bias:
+        torch.testing.assert_close(b.grad.double(), want_db, rtol=tol, atol=tol * want_db.abs().max().item())
+
+
+def test_float8_linear_is_close_to_the_linear(device):
+    """The format's own error: e4m3 operands put the output within a few percent of the bf16 product."""
+    x, w = torch.randn(64, 128, device=device), torch.randn(96, 128, device=device) * 0.1
+    y = float8_linear(x, w)
+    want = x.double() @ w.double().T
+    assert ((y.double() - want).norm() / want.norm()).item() < 0.05
+
+
+class TinyMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.head = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(self.down(torch.relu(self.up(x))))
+
+
+def test_convert_to_float8_trains(device):
+    torch.manual_seed(0)
+    model = convert_to_float8(TinyMLP().to(device))
+    assert isinstance(model.up, Float8Linear) and isinstance(model.down, Float8Linear)
+    assert type(model.head) is torch.nn.Linear  # the output projection is kept
+    assert "float8" in repr(model.up)
+    x, target = torch.randn(64, 32, device=device), torch.randn(64, 8, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+# the schema check compares outputs with arithmetic PyTorch's CPU build lacks for float8: the other checks run
+OPCHECKS = ("test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def test_opcheck(device):
+    x = torch.randn(6, 40, device=device)
+    torch.library.opcheck(torch.ops.kernel_lib.float8_quantize.default, (x, E4M3), test_utils=OPCHECKS)
+    qa, sa = quantize_float8_ref(x)
+    qb, sb = quantize_float8_ref(torch.randn(8, 40, device=device))
+    torch.library.opcheck(torch.ops.kernel_lib.float8_scaled_mm.default, (qa, qb, sa, sb, None, torch.float32),
+                          test_utils=OPCHECKS)  # fmt: skip
+
+
+def test_bad_input_is_named():
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="features"):
+        float8_linear(torch.randn(4, 15), w)
+    with pytest.raises(TypeError, match="one dtype"):
+        float8_linear(x.half(), w)
+    with pytest.raises(ValueError, match="grad_dtype"):
+        float8_linear(x, w, grad_dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        quantize_float8(x, torch.int8)
+    qa, sa = quantize_float8_ref(x)
+    with pytest.raises(ValueError, match="do not make"):
+        scaled_mm(qa, qa[:, :8].contiguous(), sa, sa)
+    with pytest.raises(ValueError, match="unit stride"):
+        scaled_mm(qa, quantize_float8_ref(torch.randn(16, 8))[0].t(), sa, sa)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4096])
+def test_model_sized_on_gpu(M):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 products need an Ada or Hopper GPU (compute capability 8.9+)")
+    x = torch.randn(M, 4096, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(4096, 4096, device="cuda") * 0.02).bfloat16().requires_grad_()
+    dy = torch.randn(M, 4096, device="cuda").bfloat16()
+    y = float8_linear(x, w)
+    y.backward(dy)
+    want_y, want_dx, want_dw, _ = _recipe64(x.detach(), w.detach(), None, dy, E4M3)
+    for got, want in ((y, want_y), (x.grad, want_dx), (w.grad, want_dw)):
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    assert f8._mm_config(M, 4096)["BLOCK_M"] == 128
