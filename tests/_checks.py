@@ -210,3 +210,15 @@ def saved_storages(fn: Callable, exclude: Sequence[torch.Tensor] = ()) -> tuple[
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return seen, out
+
+
+class TinyLM(torch.nn.Module):
+    """Three linear layers with an output projection named like a language model's (``lm_head``): what the tests of
+    the layer-swapping helpers (``quantize_``, ``convert_to_float8``) convert."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.lm_head = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64), torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.lm_head(self.down(torch.relu(self.up(x))))

@@ -16,6 +16,7 @@ from kernel_lib.ops.float8 import (
     scaled_mm,
     scaled_mm_ref,
 )
+from tests._checks import TinyLM
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -107,22 +108,13 @@ def test_float8_linear_is_close_to_the_linear(device):
     assert ((y.double() - want).norm() / want.norm()).item() < 0.05
 
 
-class TinyMLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down, self.head = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)
-
-    def forward(self, x):
-        return self.head(self.down(torch.relu(self.up(x))))
-
-
 def test_convert_to_float8_trains(device):
     torch.manual_seed(0)
-    model = convert_to_float8(TinyMLP().to(device))
+    model = convert_to_float8(TinyLM().to(device))
     assert isinstance(model.up, Float8Linear) and isinstance(model.down, Float8Linear)
-    assert type(model.head) is torch.nn.Linear  # the output projection is kept
+    assert type(model.lm_head) is torch.nn.Linear  # the output projection is kept
     assert "float8" in repr(model.up)
-    x, target = torch.randn(64, 32, device=device), torch.randn(64, 8, device=device)
+    x, target = torch.randn(64, 64, device=device), torch.randn(64, 10, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(15):

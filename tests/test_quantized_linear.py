@@ -14,6 +14,7 @@ from kernel_lib.ops.quantized_linear import (
     quantize_int4,
     quantize_int8,
 )
+from tests._checks import TinyLM
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -68,15 +69,6 @@ def test_int4_linear_against_float64(device, dtype, group):
     want = product(x, dequantize_int4(packed, scale, zero))
     tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
     torch.testing.assert_close(y.double(), want, atol=tol, rtol=tol)
-
-
-class TinyLM(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down, self.lm_head = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64), torch.nn.Linear(64, 10)
-
-    def forward(self, x):
-        return self.lm_head(self.down(torch.relu(self.up(x))))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
