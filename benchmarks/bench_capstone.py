@@ -494,7 +494,8 @@ def trained_model(ctx: Context) -> GPT:
     config = dataclasses.replace(ctx.config, impl="kernel_lib")
     path = args.trained or os.path.join(args.out, f"trained_{'tiny' if args.tiny else args.size}.pt")
     recipe = {"config": dataclasses.asdict(config), "steps": args.quality_steps, "batch": args.batch,
-              "lr": args.lr, "seed": args.seed, "dtype": str(ctx.dtype)}  # fmt: skip
+              "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed, "dtype": str(ctx.dtype),
+              "corpus_tokens": len(ctx.tokens) + len(ctx.val_tokens)}  # fmt: skip
     model = GPT(config, device=device, dtype=ctx.dtype)
     if os.path.exists(path):
         saved = torch.load(path, map_location=device, weights_only=True)
@@ -593,8 +594,9 @@ def main(argv=None) -> int:
                         f"(default {FULL['quality_steps']})")  # fmt: skip
     parser.add_argument("--eval-batches", type=int,
                         help=f"held-out batches for perplexity (default {FULL['eval_batches']})")  # fmt: skip
-    parser.add_argument("--trained", help="the quality phase's checkpoint (default <out>/trained_<size>.pt: reused "
-                        "when it exists for this model and step count, else trained and written)")  # fmt: skip
+    parser.add_argument("--trained", help="the quality phase's checkpoint (default <out>/trained_<size>.pt): reused "
+                        "when its recipe (model, steps, batch, lr, seed, corpus) is this run's, refused when it "
+                        "differs, trained and written when absent")  # fmt: skip
     args = parser.parse_args(argv)
     for key, value in (TINY if args.tiny else FULL).items():
         if getattr(args, key) is None:
@@ -606,6 +608,8 @@ def main(argv=None) -> int:
             parser.error(f"unknown phase {name!r}; choose from {', '.join(PHASES)}")
     if args.reruns < 0:
         parser.error("--reruns must be 0 or more")
+    if args.quality_steps < 1:
+        parser.error("--quality-steps must be at least 1")
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (one prefill token, then decode steps)")
 

@@ -170,3 +170,29 @@ def test_model_sized_on_gpu(M):
     for got, want in ((y, want_y), (x.grad, want_dx), (w.grad, want_dw)):
         torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
     assert f8._mm_config(M, 4096)["BLOCK_M"] == 128
+
+
+def test_quantize_a_row_of_tiny_values(device):
+    """A row whose largest magnitude is ~1e-37 has a subnormal scale: dividing by it keeps zeros zero (its inverse
+    would overflow to infinity and turn 0 into NaN)."""
+    x = torch.zeros(2, 8, device=device)
+    x[0, 0], x[0, 3] = 1e-37, -5e-38
+    x[1] = 1.0
+    q, scale = quantize_float8(x)
+    assert torch.isfinite(q.float()).all()
+    torch.testing.assert_close((q.float() * scale[:, None])[0], x[0], rtol=2**-3, atol=0)
+
+
+def test_convert_a_kernel_lib_gpt_reaches_every_projection(device):
+    """The kernel_lib GPT's MLP fuses its down projection with SwiGLU unless the layer was swapped: a Float8Linear
+    (a subclass of nn.Linear) must run its own float8 product, like every other projection."""
+    from kernel_lib.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, max_seq_len=16, impl="kernel_lib")
+    model = convert_to_float8(GPT(config, device=device))
+    ran = []
+    for name, module in model.named_modules():
+        if isinstance(module, Float8Linear):
+            module.register_forward_hook(lambda m, args, out, name=name: ran.append(name))
+    model(torch.randint(0, 64, (2, 8), device=device)).sum().backward()
+    assert sorted(ran) == ["blocks.0.attn.o", "blocks.0.attn.qkv", "blocks.0.mlp.down", "blocks.0.mlp.gate_up"]

@@ -555,7 +555,7 @@ class KernelMLP(NativeMLP):
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        if not isinstance(self.down, nn.Linear):  # a quantized down projection (quantize_): its own product
+        if type(self.down) is not nn.Linear:  # quantize_'s or convert_to_float8's down projection: its own product
             return self.down(swiglu(gate, up))
         return swiglu_linear(gate, up, self.down.weight)
 

@@ -111,11 +111,12 @@ def _quantize_rows_kernel(
     top = tl.max(amax, axis=0)
     scale = tl.where(top > 0, top / FP8_MAX, 1.0)
     tl.store(scale_ptr + row, scale)
-    inv = 1.0 / scale
     for c0 in range(0, C, BLOCK):  # pass 2: the row again (from L2 for rows of up to a few MB) and the cast
         cols = c0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x * inv, -FP8_MAX), FP8_MAX)  # x * (1 / s) may pass FP8_MAX by an ulp
+        # a division, not x * (1 / s): a row whose largest magnitude is below ~5e-36 has a subnormal s, whose
+        # inverse overflows (zeros would become NaN); the quotient may still pass FP8_MAX by an ulp
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
         if HOST_CAST:
             tl.store(q_ptr + row * C + cols, q, mask=cols < C)
         else:
@@ -268,6 +269,14 @@ class _Float8Linear(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 # Functional API and module
 # --------------------------------------------------------------------------------------------------
+def _check_float8_device(t: torch.Tensor) -> None:
+    """Float8 tensor-core products exist from compute capability 8.9 (Ada, Hopper): say so before Triton fails."""
+    if t.is_cuda and torch.cuda.get_device_capability(t.device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(t.device)
+        raise RuntimeError(f"float8 products need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                           f"{torch.cuda.get_device_name(t.device)} is {major}.{minor}")  # fmt: skip
+
+
 def quantize_float8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (R, C) float8, scale (R,) float32), x (R, C) ~ scale[:, None] * q: each row scaled so its largest
     magnitude is the format's largest value. Any strides; float16, bfloat16 or float32."""
@@ -294,6 +303,7 @@ def scaled_mm(qa, qb, sa, sb, bias=None, out_dtype: torch.dtype = torch.bfloat16
     if bias is not None:
         check_tensor(bias, "bias", dtypes=(out_dtype,), ndim=1)
     check_same_device(qa=qa, qb=qb, sa=sa, sb=sb, bias=bias)
+    _check_float8_device(qa)
     if not use_triton(qa, op="scaled_mm"):
         return scaled_mm_ref(qa, qb, sa, sb, bias, out_dtype, compute=torch.float32)
     return _mm(qa, qb, sa, sb, bias, out_dtype)
@@ -325,6 +335,7 @@ def float8_linear(
         raise ValueError(f"x has {x.shape[-1]} features, the weight {weight.shape[1]}")
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"grad_dtype must be one of {FP8_DTYPES}, got {grad_dtype}")
+    _check_float8_device(x)
     rows = x.reshape(-1, x.shape[-1])
     if use_triton(x, op="float8_linear"):
         y = _Float8Linear.apply(rows, weight, bias, grad_dtype)
