@@ -75,23 +75,20 @@ def implementations(n: int) -> dict:
 
 
 def graphed(fn):
-    """fn replayed from a CUDA graph captured on its first inputs (again when they change): a decoding step runs
-    in a graph, and the host's time to issue these microsecond kernels would otherwise be what is timed."""
+    """fn replayed from a CUDA graph captured on its first inputs (again when they change; ``bench.repeat_in_graph``
+    warms it up and captures it): a decoding step runs in a graph, and the host's time to issue these microsecond
+    kernels would otherwise be what is timed. Returns the graph's output tensor, rewritten by each replay."""
     captured = {}
 
     def call(*args):
         key = tuple(id(a) for a in args)
         if key not in captured:
             captured.clear()
-            fn(*args)  # compile, autotune, allocate outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fn(*args)
-            captured[key] = (graph, out)
-        graph, out = captured[key]
-        graph.replay()
-        return out
+            out = {}
+            captured[key] = (bench.repeat_in_graph(lambda: out.update(y=fn(*args)), 1), out)
+        replay, out = captured[key]
+        replay()
+        return out["y"]
 
     return call
 
