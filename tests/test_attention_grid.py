@@ -45,16 +45,22 @@ def check_case(B, Hq, Hkv, N, M, D, Dv, causal, window, dtype, device):
     check_forward_backward(kernel, reference, [q, k, v], atol=ATOL[dtype], baseline=baseline, name=f"out {N}x{M}")
 
 
-def over_the_grid(group: str):
-    """The grid's parametrization, for the fixed-length and the packed tests alike: every head dim (spread over six
-    xdist groups named after ``group``, each on one worker under --dist loadgroup, sharing its compiled kernels),
-    fp16 and bf16, the three masks; GPU only."""
+def over_the_grid(group: str, turn: int = 0):
+    """The grid's parametrization, for the fixed-length and the packed tests alike: every head dim with every mask,
+    in fp16 or bf16 by turns (each head dim and each mask meets both dtypes; ``turn`` 0 and 1 are the two halves,
+    so the fixed-length grid and the packed one together run every (head dim, dtype, mask)). Each kernel set is
+    compiled per (head dim, dtype, mask): the halving keeps ``make test-gpu`` within its 15 minutes. The cases are
+    spread over six xdist groups named after ``group``, each on one worker under --dist loadgroup; GPU only."""
+    dtypes = [(torch.float16, "fp16"), (torch.bfloat16, "bf16")]
+    cases = []
+    for i, D in enumerate(HEAD_DIMS):
+        for j, mask in enumerate(MASKS):
+            dtype, name = dtypes[(i + j + turn) % 2]
+            mark = pytest.mark.xdist_group(f"{group}-{len(cases) % 6}")
+            cases.append(pytest.param(D, dtype, mask, marks=mark, id=f"{mask}-{name}-{D}"))
 
     def wrap(test):
-        spread = [pytest.param(D, marks=pytest.mark.xdist_group(f"{group}-{i % 6}")) for i, D in enumerate(HEAD_DIMS)]
-        test = pytest.mark.parametrize("D", spread)(test)
-        test = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])(test)
-        return pytest.mark.gpu(pytest.mark.parametrize("mask", MASKS)(test))
+        return pytest.mark.gpu(pytest.mark.parametrize("D, dtype, mask", cases)(test))
 
     return wrap
 

@@ -98,20 +98,31 @@ def test_cpu_tensors_take_the_portable_kernel():
 sm90 = pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU (H100, H200)")
 
 
+# Odd cases for both directions; head dims the backward takes (65 to 128 for q and k), which the forward takes too
+ODD_CASES = [
+    (2, 4, 2, 1000, 1000, 128, 128, True, None, torch.bfloat16),  # GQA, a ragged last block
+    (1, 4, 1, 300, 700, 128, 128, True, None, torch.float16),  # MQA, M > N: bottom-right causal
+    (1, 2, 2, 700, 300, 128, 128, True, None, torch.bfloat16),  # N > M: queries that see no key
+    (2, 3, 3, 513, 513, 80, 80, False, None, torch.bfloat16),  # padded head dim, ragged key block
+    (1, 4, 4, 1024, 1024, 96, 96, True, 200, torch.bfloat16),  # window: masked blocks at both ends
+    (1, 2, 1, 129, 1, 128, 128, False, None, torch.float16),  # one key
+    (1, 2, 2, 2048, 2048, 128, 64, True, 1000, torch.bfloat16),  # Dv != D, long window
+    (3, 2, 2, 1, 77, 72, 72, True, None, torch.bfloat16),  # one query
+    (1, 2, 2, 333, 333, 104, 128, False, None, torch.float16),  # Dv > D
+]
+ODD_CASE_NAMES = "B, Hq, Hkv, N, M, D, Dv, causal, window, dtype"
+
+
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize(
-    "B, Hq, Hkv, N, M, D, Dv, causal, window, dtype",
-    [
-        (2, 4, 2, 1000, 1000, 128, 128, True, None, torch.bfloat16),  # GQA, a ragged last block
-        (1, 4, 1, 300, 700, 64, 64, True, None, torch.float16),  # MQA, M > N: bottom-right causal
-        (1, 2, 2, 700, 300, 128, 128, True, None, torch.bfloat16),  # N > M: queries that see no key
-        (2, 3, 3, 513, 513, 80, 80, False, None, torch.bfloat16),  # padded head dim
-        (1, 4, 4, 1024, 1024, 96, 96, True, 200, torch.bfloat16),  # window: masked blocks at the start too
-        (1, 2, 1, 129, 1, 40, 40, False, None, torch.float16),  # one key
-        (1, 2, 2, 4096, 4096, 128, 64, True, 1000, torch.bfloat16),  # Dv != D, long window
-        (3, 2, 2, 1, 77, 64, 64, True, None, torch.bfloat16),  # one query
-        (1, 2, 2, 333, 333, 64, 128, False, None, torch.float16),  # Dv > D
+    ODD_CASE_NAMES,
+    ODD_CASES
+    + [
+        (1, 4, 1, 300, 700, 64, 64, True, None, torch.float16),  # head dim 64: a tile the backward does not take
+        (1, 2, 1, 129, 1, 40, 40, False, None, torch.float16),  # head dim 40, padded to 64
+        (1, 2, 2, 4096, 4096, 128, 64, True, 1000, torch.bfloat16),  # a longer sequence than the backward's
+        (1, 2, 2, 333, 333, 64, 128, False, None, torch.float16),  # Dv > D, D 64
     ],
 )
 def test_hopper_forward_against_float64(B, Hq, Hkv, N, M, D, Dv, causal, window, dtype):
@@ -136,20 +147,7 @@ def test_backward_path_choice_on_the_cpu(monkeypatch):
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize(
-    "B, Hq, Hkv, N, M, D, Dv, causal, window, dtype",
-    [
-        (2, 4, 2, 1000, 1000, 128, 128, True, None, torch.bfloat16),  # GQA, a ragged last query block
-        (1, 4, 1, 300, 700, 128, 128, True, None, torch.float16),  # MQA, M > N: bottom-right causal
-        (1, 2, 2, 700, 300, 128, 128, True, None, torch.bfloat16),  # N > M: queries that see no key
-        (2, 3, 3, 513, 513, 80, 80, False, None, torch.bfloat16),  # padded head dim, ragged key block
-        (1, 4, 4, 1024, 1024, 96, 96, True, 200, torch.bfloat16),  # window: masked query blocks at both ends
-        (1, 2, 1, 129, 1, 128, 128, False, None, torch.float16),  # one key
-        (1, 2, 2, 2048, 2048, 128, 64, True, 1000, torch.bfloat16),  # Dv != D, long window
-        (3, 2, 2, 1, 77, 72, 72, True, None, torch.bfloat16),  # one query
-        (1, 2, 2, 333, 333, 104, 128, False, None, torch.float16),  # Dv > D
-    ],
-)
+@pytest.mark.parametrize(ODD_CASE_NAMES, ODD_CASES)
 def test_hopper_backward_against_float64(B, Hq, Hkv, N, M, D, Dv, causal, window, dtype):
     q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(B, Hkv, M, D, device="cuda", dtype=dtype, requires_grad=True)

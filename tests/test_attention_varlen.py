@@ -187,12 +187,13 @@ def test_module_with_packed_documents(device):
     torch.testing.assert_close(out, alone, atol=2e-3, rtol=2e-3)
 
 
-# On the GPU: FlashAttention's varlen grid (its test_flash_attn_varlen_output): every head dim, both dtypes, the
-# three masks, random lengths up to every other length pair of the fixed-length grid, three documents a batch.
+# On the GPU: FlashAttention's varlen grid (its test_flash_attn_varlen_output): every head dim and mask in the
+# dtype the fixed-length grid leaves out, random lengths up to every other length pair of the fixed-length grid,
+# three documents a batch.
 GRID_PAIRS = SEQLEN_PAIRS[::2]
 
 
-@over_the_grid("attention-varlen-grid")
+@over_the_grid("attention-varlen-grid", turn=1)  # the dtypes the fixed-length grid does not run
 def test_flash_attention_varlen_grid(D, dtype, mask):
     causal, window = MASKS[mask]
     gen = torch.Generator().manual_seed(D)

@@ -167,11 +167,11 @@ def _sequence(cu_q_ptr, cu_k_ptr, b, N, M, VARLEN: tl.constexpr):
 
 @triton.jit
 def _query_block(q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, Hq, GROUP,
-                 N, M, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                 VARLEN: tl.constexpr):  # fmt: skip
+                 N, M, D_QK: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 VARLEN: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
     """This program's first query, sequence, head, first query row, the sequence's query and key lengths, query
-    offsets, q/k and v head-dim offsets, and the q, k and v pointers to position 0 of its query head and of the
-    key/value head that head reads (the forward and dQ kernels). Under a causal mask the last query blocks see the
+    offsets, q/k and v head-dim offsets, its block of q (float32 if DOT_FP32; rows past N load as 0), and the k and
+    v pointers to position 0 of the key/value head its query head reads (the forward and dQ kernels). Under a causal mask the last query blocks see the
     most keys; they get the first program ids, so the longest programs start first and the short ones fill the
     tail. Packed, the grid covers the longest sequence: start_m may pass a shorter one's N (the caller returns)."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -186,7 +186,10 @@ def _query_block(q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, sqb, sqh, sqn, skb, sk
     q_base = _head_base(q_ptr, b, h, q0, sqb, sqh, sqn, VARLEN)
     k_base = _head_base(k_ptr, b, hk, k0, skb, skh, skn, VARLEN)
     v_base = _head_base(v_ptr, b, hk, k0, svb, svh, svn, VARLEN)
-    return start_m, b, h, q0, N, M, offs_m, offs_dk, offs_dv, q_base, k_base, v_base
+    q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    return start_m, b, h, q0, N, M, offs_m, offs_dk, offs_dv, q, k_base, v_base
 
 
 @triton.jit
@@ -279,16 +282,13 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    start_m, b, h, q0, N, M, offs_m, offs_dk, offs_dv, q_base, k_base, v_base = _query_block(
+    start_m, b, h, q0, N, M, offs_m, offs_dk, offs_dv, q, k_base, v_base = _query_block(
         q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, Hq, GROUP, N, M,
-        BLOCK_DQK, BLOCK_DV, BLOCK_M, VARLEN,
+        D_QK, BLOCK_DQK, BLOCK_DV, BLOCK_M, VARLEN, DOT_FP32,
     )  # fmt: skip
     if VARLEN:
         if start_m >= N:  # past this sequence's end: the grid covers the longest one
             return
-    q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
-    if DOT_FP32:
-        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of base-2 scores
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of 2^(score - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # unnormalized output
@@ -543,20 +543,18 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):  # fmt: skip
-    start_m, b, h, q0, N, M, offs_m, offs_dk, offs_dv, q_base, k_base, v_base = _query_block(
+    start_m, b, h, q0, N, M, offs_m, offs_dk, offs_dv, q, k_base, v_base = _query_block(
         q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, Hq, GROUP, N, M,
-        BLOCK_DQK, BLOCK_DV, BLOCK_M, VARLEN,
+        D_QK, BLOCK_DQK, BLOCK_DV, BLOCK_M, VARLEN, DOT_FP32,
     )  # fmt: skip
     if VARLEN:
         if start_m >= N:  # past this sequence's end: the grid covers the longest one
             return
-    q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
     do = _load_tile(_head_base(do_ptr, b, h, q0, sob, soh, son, VARLEN), offs_m, son, N, offs_dv, D_V, BLOCK_DV)
     stats = _head_offset(b, h, q0, ssb, ssh, 1, VARLEN)
     lse2 = tl.load(lse2_ptr + stats + offs_m, mask=offs_m < N, other=0.0)
     delta = tl.load(delta_ptr + stats + offs_m, mask=offs_m < N, other=0.0)
     if DOT_FP32:
-        q = q.to(tl.float32)
         do = do.to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     # Key blocks [lo, full_lo) and [full_hi, hi) are seen by part of this query block (masked), [full_lo, full_hi)

@@ -53,7 +53,7 @@ from ._utils import (
     row_block_settings,
     use_triton,
 )
-from .split_rows import lane_of, slot_of, team_barrier
+from .split_rows import lane_of, lane_row, slot_of, team_barrier
 
 __all__ = ["rms_norm", "rms_norm_ref", "RMSNorm", "add_rms_norm", "layer_norm", "layer_norm_ref", "LayerNorm"]
 
@@ -248,18 +248,17 @@ def _norm_fwd_split_kernel(
         b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     k = 0
     # The next row's chunk is loaded while this row's lanes meet (software pipelining by hand)
-    first = tl.cast(team, tl.int64)
-    x_next = tl.load(x_ptr + first * x_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
+    x_next = lane_row(x_ptr, team, x_row_stride, cols, mask, n_rows, 0.0)
     if HAS_RESIDUAL:
-        r_next = tl.load(r_ptr + first * r_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
+        r_next = lane_row(r_ptr, team, r_row_stride, cols, mask, n_rows, 0.0)
     for row in range(team, n_rows, teams):
         row64 = tl.cast(row, tl.int64)  # row * stride overflows int32 past 2**31 elements
         nxt = row64 + teams
         x = x_next.to(tl.float32)
-        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
+        x_next = lane_row(x_ptr, nxt, x_row_stride, cols, mask, n_rows, 0.0)
         if HAS_RESIDUAL:
             r = r_next.to(tl.float32)
-            r_next = tl.load(r_ptr + nxt * r_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
+            r_next = lane_row(r_ptr, nxt, r_row_stride, cols, mask, n_rows, 0.0)
             x = (x + r).to(s_ptr.dtype.element_ty)  # rounded as a separate add would be
             if PHASE != 2:
                 tl.store(s_ptr + row64 * D + cols, x, mask=mask)
@@ -314,16 +313,15 @@ def _norm_bwd_split_kernel(
     dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # this team's rows, this lane's columns
     db_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     k = 0
-    first = tl.cast(team, tl.int64)
-    x_next = tl.load(x_ptr + first * x_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
-    dy_next = tl.load(dy_ptr + first * dy_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
+    x_next = lane_row(x_ptr, team, x_row_stride, cols, mask, n_rows, 0.0)
+    dy_next = lane_row(dy_ptr, team, dy_row_stride, cols, mask, n_rows, 0.0)
     for row in range(team, n_rows, teams):
         row64 = tl.cast(row, tl.int64)
         nxt = row64 + teams
         x = x_next.to(tl.float32)
         dy = dy_next.to(tl.float32)
-        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
-        dy_next = tl.load(dy_ptr + nxt * dy_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
+        x_next = lane_row(x_ptr, nxt, x_row_stride, cols, mask, n_rows, 0.0)
+        dy_next = lane_row(dy_ptr, nxt, dy_row_stride, cols, mask, n_rows, 0.0)
         rstd = tl.load(rstd_ptr + row64)
         if IS_RMS:
             xhat = x * rstd

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import split_rows
 from ._utils import as_rows, check_tensor, launch_or_op, row_block_settings, use_triton
-from .split_rows import lane_of, slot_of, team_barrier
+from .split_rows import lane_of, lane_row, slot_of, team_barrier
 
 __all__ = ["softmax", "softmax_ref", "SPLIT_ABOVE"]
 
@@ -99,13 +99,12 @@ def _softmax_fwd_split_kernel(
     team, lane, cols, mask, others, healthy = lane_of(lanes, D, BLOCK_D, LANES_P2)
     k = 0
     # The next row's chunk is loaded while this row's lanes meet (software pipelining by hand)
-    x_next = tl.load(x_ptr + tl.cast(team, tl.int64) * x_row_stride + cols, mask=mask & (team < n_rows),
-                     other=-float("inf"))  # fmt: skip
+    x_next = lane_row(x_ptr, team, x_row_stride, cols, mask, n_rows, -float("inf"))
     for row in range(team, n_rows, teams):
         row64 = tl.cast(row, tl.int64)  # row * stride overflows int32 past 2**31 elements
         x = x_next.to(tl.float32)
         nxt = row64 + teams
-        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < n_rows), other=-float("inf"))
+        x_next = lane_row(x_ptr, nxt, x_row_stride, cols, mask, n_rows, -float("inf"))
         slot = slot_of(part_ptr, team, k, row64, 2 * LANES_P2, PHASE)
         if PHASE != 2:
             m = tl.max(x, axis=0)
@@ -143,16 +142,15 @@ def _softmax_bwd_split_kernel(
 ):
     team, lane, cols, mask, others, healthy = lane_of(lanes, D, BLOCK_D, LANES_P2)
     k = 0
-    first = tl.cast(team, tl.int64)
-    dy_next = tl.load(dy_ptr + first * dy_row_stride + cols, mask=mask & (first < n_rows), other=0.0)
-    y_next = tl.load(y_ptr + first * D + cols, mask=mask & (first < n_rows), other=0.0)
+    dy_next = lane_row(dy_ptr, team, dy_row_stride, cols, mask, n_rows, 0.0)
+    y_next = lane_row(y_ptr, team, D, cols, mask, n_rows, 0.0)
     for row in range(team, n_rows, teams):
         row64 = tl.cast(row, tl.int64)
         dy = dy_next.to(tl.float32)
         y = y_next.to(tl.float32)
         nxt = row64 + teams
-        dy_next = tl.load(dy_ptr + nxt * dy_row_stride + cols, mask=mask & (nxt < n_rows), other=0.0)
-        y_next = tl.load(y_ptr + nxt * D + cols, mask=mask & (nxt < n_rows), other=0.0)
+        dy_next = lane_row(dy_ptr, nxt, dy_row_stride, cols, mask, n_rows, 0.0)
+        y_next = lane_row(y_ptr, nxt, D, cols, mask, n_rows, 0.0)
         slot = slot_of(part_ptr, team, k, row64, LANES_P2, PHASE)
         if PHASE != 2:
             tl.store(slot + lane, tl.sum(dy * y, axis=0))

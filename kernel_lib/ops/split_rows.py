@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lane_of", "slot_of", "team_barrier", "resident_programs", "Plan", "plan", "lane_block", "launch"]
+__all__ = ["lane_of", "lane_row", "slot_of", "team_barrier", "resident_programs", "Plan", "plan", "lane_block", "launch"]
 
 MAX_POLLS = tl.constexpr(1 << 22)  # seconds of polling an L2 atomic: far past any real wait
 POISON = tl.constexpr(1 << 30)  # set in a team's counter when a lane gave up; arrivals stay far below it
@@ -48,6 +48,13 @@ def lane_of(lanes, D, BLOCK_D: tl.constexpr, LANES_P2: tl.constexpr):
     lane = pid % lanes
     cols = lane * BLOCK_D + tl.arange(0, BLOCK_D)
     return pid // lanes, lane, cols, cols < D, tl.arange(0, LANES_P2), tl.full([], 1, tl.int1)
+
+
+@triton.jit
+def lane_row(ptr, row, row_stride, cols, mask, n_rows, OTHER: tl.constexpr):
+    """A lane's columns of row ``row`` (OTHER where masked), or OTHER everywhere past the last row: the prefetch of
+    a team's next row. The row offset is taken in int64 (row * stride overflows int32 past 2**31 elements)."""
+    return tl.load(ptr + tl.cast(row, tl.int64) * row_stride + cols, mask=mask & (row < n_rows), other=OTHER)
 
 
 @triton.jit
