@@ -171,9 +171,10 @@ def _query_block(q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, sqb, sqh, sqn, skb, sk
                  VARLEN: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
     """This program's first query, sequence, head, first query row, the sequence's query and key lengths, query
     offsets, q/k and v head-dim offsets, its block of q (float32 if DOT_FP32; rows past N load as 0), and the k and
-    v pointers to position 0 of the key/value head its query head reads (the forward and dQ kernels). Under a causal mask the last query blocks see the
-    most keys; they get the first program ids, so the longest programs start first and the short ones fill the
-    tail. Packed, the grid covers the longest sequence: start_m may pass a shorter one's N (the caller returns)."""
+    v pointers to position 0 of the key/value head its query head reads (the forward and dQ kernels). Under a
+    causal mask the last query blocks see the most keys; they get the first program ids, so the longest programs
+    start first and the short ones fill the tail. Packed, the grid covers the longest sequence: start_m may pass
+    a shorter one's N (the caller returns)."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // Hq

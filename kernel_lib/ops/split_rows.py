@@ -34,7 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lane_of", "lane_row", "slot_of", "team_barrier", "resident_programs", "Plan", "plan", "lane_block", "launch"]
+__all__ = [
+    "lane_of", "lane_row", "slot_of", "team_barrier", "resident_programs", "Plan", "plan", "lane_block", "launch",
+]  # fmt: skip
 
 MAX_POLLS = tl.constexpr(1 << 22)  # seconds of polling an L2 atomic: far past any real wait
 POISON = tl.constexpr(1 << 30)  # set in a team's counter when a lane gave up; arrivals stay far below it
