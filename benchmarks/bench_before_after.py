@@ -100,6 +100,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default="results", help="folder for the CSV file")
     parser.add_argument("--rounds", type=int, default=6, help="alternating old/new rounds of host timing")
+    parser.add_argument("--ops", default="", help="comma-separated op names to run (default: all), e.g. 'flash'")
     args = parser.parse_args()
     if args.make_old:
         print(make_old(args.make_old))
@@ -108,8 +109,13 @@ def main() -> None:
     import kernel_lib_old
 
     libs = {"old": kernel_lib_old, "new": kernel_lib}
-    big = {name: cases(lib, big=True) for name, lib in libs.items()}
-    small = {name: cases(lib, big=False) for name, lib in libs.items()}
+    wanted = [w for w in args.ops.split(",") if w]
+
+    def chosen(pairs):  # the ops whose name contains one of --ops
+        return [(n, c) for n, c in pairs if not wanted or any(w in n for w in wanted)]
+
+    big = {name: chosen(cases(lib, big=True)) for name, lib in libs.items()}
+    small = {name: chosen(cases(lib, big=False)) for name, lib in libs.items()}
     for (name, new_call), (_, old_call) in zip(big["new"], big["old"], strict=True):
         torch.testing.assert_close(new_call(), old_call(), atol=2e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
     rows = []

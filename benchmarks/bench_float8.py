@@ -6,7 +6,9 @@ tokens through the 8B model's q (4096 -> 4096), gate (4096 -> 14,336) and down (
 and backward of x and the weight, 6 M N K FLOPs a step. Each is checked against float64 on the same bf16 inputs
 before and after timing: the float8 formats within 5% relative error (e4m3's step is 2^-3 of a value; errors
 average out over K), bf16 within 1%. Times: ``kernel_lib.bench.time_fn`` with L2 wiped. TFLOP/s against the bf16
-matmul ceiling measured in the same run (float8's tensor-core peak is twice bf16's on Hopper). Writes
+matmul ceiling measured in the same run (float8's tensor-core peak is twice bf16's on Hopper). First, the forward
+product alone at each shape: bf16 ``torch.mm``, kernel_lib's ``scaled_mm`` and ``torch._scaled_mm`` (cuBLAS,
+rowwise scales) on the same float8 operands, to split a step's time between products and casts. Writes
 <out>/float8.csv and prints a table.
 """
 
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_lib import bench, float8_linear
+from kernel_lib.ops.float8 import quantize_float8, scaled_mm
 
 SHAPES = {"q 4096 -> 4096": (4096, 4096), "gate 4096 -> 14336": (4096, 14336), "down 14336 -> 4096": (14336, 4096)}
 TOKENS = 8192
@@ -50,6 +53,42 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
+def gemm_alone(M: int, N: int, K: int) -> list[dict]:
+    """The forward product alone, (M, K) x (N, K)^T: bf16 ``torch.mm`` (cuBLAS), kernel_lib's ``scaled_mm`` and
+    ``torch._scaled_mm`` (cuBLAS, rowwise scales) on the same float8 operands; each checked against float64."""
+    a = torch.randn(M, K, device="cuda").bfloat16()
+    b = (torch.randn(N, K, device="cuda") * K**-0.5).bfloat16()
+    qa, sa = quantize_float8(a)
+    qb, sb = quantize_float8(b)
+    want = (qa.double() * sa.double()[:, None]) @ (qb.double() * sb.double()[:, None]).T  # the float8 product
+    impls = {
+        "bf16 torch.mm": (lambda: a @ b.T, (a.double() @ b.double().T), 0.01),
+        "kernel_lib scaled_mm": (lambda: scaled_mm(qa, qb, sa, sb), want, 0.01),
+    }
+    if hasattr(torch, "_scaled_mm"):
+        impls["torch._scaled_mm rowwise"] = (
+            lambda: torch._scaled_mm(qa, qb.T, sa[:, None], sb[None, :], out_dtype=torch.bfloat16),
+            want,
+            0.01,
+        )
+    rows = []
+    for name, (fn, truth, allowed) in impls.items():
+        try:
+            err = relative_error(fn(), truth)
+            timing = bench.time_fn(fn)
+            err = max(err, relative_error(fn(), truth))
+        except Exception as error:  # noqa: BLE001 - a product this torch does not offer is reported, not fatal
+            print(f"gemm {M}x{N}x{K} {name}: not measured ({type(error).__name__}: {str(error)[:100]})")
+            continue
+        tflops = 2 * M * N * K / timing.median_ms / 1e9
+        status = "ok" if err <= allowed else "FAIL"
+        rows.append(dict(shape=f"gemm {N}x{K}", M=M, N=N, K=K, impl=name, ms=timing.median_ms, tflops=tflops,
+                         rel_err=err, status=status))  # fmt: skip
+        print(f"gemm M {M} N {N} K {K:<6} {name:<26} {timing.median_ms:8.3f} ms {tflops:7.0f} TFLOP/s  err {err:.1e} "
+              f"{status}", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results")
@@ -60,6 +99,10 @@ def main() -> int:
     print(f"bf16 matmul ceiling {ceiling:,.0f} TFLOP/s")
     rows, failed = [], False
     torch.manual_seed(0)
+    for K, N in SHAPES.values():
+        gemm_rows = gemm_alone(args.tokens, N, K)
+        failed |= any(r["status"] != "ok" for r in gemm_rows)
+        rows += gemm_rows
     for shape, (K, N) in SHAPES.items():
         M = args.tokens
         x = torch.randn(M, K, device="cuda").bfloat16().requires_grad_()
