@@ -8,8 +8,8 @@ before and after timing: the float8 formats within 5% relative error (e4m3's ste
 average out over K), bf16 within 1%. Times: ``kernel_lib.bench.time_fn`` with L2 wiped. TFLOP/s against the bf16
 matmul ceiling measured in the same run (float8's tensor-core peak is twice bf16's on Hopper). First, the forward
 product alone at each shape: bf16 ``torch.mm``, kernel_lib's ``scaled_mm`` and ``torch._scaled_mm`` (cuBLAS,
-rowwise scales) on the same float8 operands, to split a step's time between products and casts. Writes
-<out>/float8.csv and prints a table.
+rowwise scales), each with and without fast accumulation, on the same float8 operands, to split a step's time
+between products and casts. Writes <out>/float8.csv and prints a table.
 """
 
 import argparse
@@ -64,13 +64,17 @@ def gemm_alone(M: int, N: int, K: int) -> list[dict]:
     impls = {
         "bf16 torch.mm": (lambda: a @ b.T, (a.double() @ b.double().T), 0.01),
         "kernel_lib scaled_mm": (lambda: scaled_mm(qa, qb, sa, sb), want, 0.01),
+        "kernel_lib scaled_mm fast": (lambda: scaled_mm(qa, qb, sa, sb, fast_accum=True), want, 0.01),
     }
     if hasattr(torch, "_scaled_mm"):
-        impls["torch._scaled_mm rowwise"] = (
-            lambda: torch._scaled_mm(qa, qb.T, sa[:, None], sb[None, :], out_dtype=torch.bfloat16),
-            want,
-            0.01,
-        )
+        for fast in (False, True):
+            impls[f"torch._scaled_mm rowwise{' fast' if fast else ''}"] = (
+                lambda fast=fast: torch._scaled_mm(
+                    qa, qb.T, sa[:, None], sb[None, :], out_dtype=torch.bfloat16, use_fast_accum=fast
+                ),
+                want,
+                0.01,
+            )
     rows = []
     for name, (fn, truth, allowed) in impls.items():
         try:

@@ -50,13 +50,13 @@ def over_the_grid(group: str, turn: int = 0):
     in fp16 or bf16 by turns (each head dim and each mask meets both dtypes; ``turn`` 0 and 1 are the two halves,
     so the fixed-length grid and the packed one together run every (head dim, dtype, mask)). Each kernel set is
     compiled per (head dim, dtype, mask): the halving keeps ``make test-gpu`` within its 15 minutes. The cases are
-    spread over six xdist groups named after ``group``, each on one worker under --dist loadgroup; GPU only."""
+    spread over twelve xdist groups named after ``group``, each on one worker under --dist loadgroup; GPU only."""
     dtypes = [(torch.float16, "fp16"), (torch.bfloat16, "bf16")]
     cases = []
     for i, D in enumerate(HEAD_DIMS):
         for j, mask in enumerate(MASKS):
             dtype, name = dtypes[(i + j + turn) % 2]
-            mark = pytest.mark.xdist_group(f"{group}-{len(cases) % 6}")
+            mark = pytest.mark.xdist_group(f"{group}-{len(cases) % 12}")
             cases.append(pytest.param(D, dtype, mask, marks=mark, id=f"{mask}-{name}-{D}"))
 
     def wrap(test):

@@ -44,15 +44,29 @@ def test_quantize_non_contiguous_rows(device):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("M, N, K", [(33, 70, 96), (1, 16, 32), (40, 48, 200)], ids=str)  # ragged tiles; one row
 @pytest.mark.parametrize("bias", [False, True])
-def test_scaled_mm_against_float64(device, out_dtype, M, N, K, bias):
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast"])
+def test_scaled_mm_against_float64(device, out_dtype, M, N, K, bias, fast_accum):
     qa, sa = quantize_float8_ref(torch.randn(M, K, device=device))
     qb, sb = quantize_float8_ref(torch.randn(N, K, device=device))
     b = torch.randn(N, device=device).to(out_dtype) if bias else None
-    y = scaled_mm(qa, qb, sa, sb, b, out_dtype)
+    y = scaled_mm(qa, qb, sa, sb, b, out_dtype, fast_accum=fast_accum)
     want = scaled_mm_ref(qa, qb, sa, sb, b, torch.float64)
     tol = 1e-5 if out_dtype == torch.float32 else 2**-7  # float32 accumulation; bf16's rounding of the output
+    tol += 2 * _cublas_error(qa, qb, sa, sb, b, want, fast_accum)  # 2x cuBLAS's own, accumulating alike
     assert y.dtype == out_dtype and y.shape == (M, N)
     torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def _cublas_error(qa, qb, sa, sb, bias, want, fast_accum=False) -> float:
+    """PyTorch's own accumulation error on this float8 product relative to the largest output: ``torch._scaled_mm``
+    (cuBLAS) on the same operands with unit scales and a float32 output, the row scales and bias applied after in
+    float64; on a GPU that has it, else 0 (the CPU path accumulates in float32)."""
+    if qa.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return 0.0
+    one = torch.ones((), device=qa.device)
+    y = torch._scaled_mm(qa, qb.t(), one, one, out_dtype=torch.float32, use_fast_accum=fast_accum)
+    y = y.double() * sa.double()[:, None] * sb.double()[None, :] + (0 if bias is None else bias.double())
+    return ((y - want).abs().max() / want.abs().max()).item()
 
 
 def _recipe64(x, w, b, dy, grad_dtype):
@@ -82,8 +96,12 @@ def test_float8_linear_forward_backward_against_the_recipe(device, dtype, grad_d
     want_y, want_dx, want_dw, want_db = _recipe64(x.detach().reshape(-1, 64), w.detach(), b, dy.reshape(-1, 40),
                                                   grad_dtype)  # fmt: skip
     tol = 1e-5 if dtype == torch.float32 else 2**-7
-    for got, want in ((y.reshape(-1, 40), want_y), (x.grad.reshape(-1, 64), want_dx), (w.grad, want_dw)):
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    qx, sx = quantize_float8_ref(x.detach().reshape(-1, 64))
+    qw, sw = quantize_float8_ref(w.detach())
+    tol_y = tol + 2 * _cublas_error(qx, qw, sx, sw, b, want_y, fast_accum=True)  # the output accumulates fast
+    for got, want, allowed in ((y.reshape(-1, 40), want_y, tol_y), (x.grad.reshape(-1, 64), want_dx, tol),
+                               (w.grad, want_dw, tol)):  # fmt: skip
+        torch.testing.assert_close(got.double(), want, rtol=allowed, atol=allowed * want.abs().max().item())
     if bias:
         torch.testing.assert_close(b.grad.double(), want_db, rtol=tol, atol=tol * want_db.abs().max().item())
 
@@ -123,7 +141,7 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.kernel_lib.float8_quantize.default, (x, E4M3), test_utils=OPCHECKS)
     qa, sa = quantize_float8_ref(x)
     qb, sb = quantize_float8_ref(torch.randn(8, 40, device=device))
-    torch.library.opcheck(torch.ops.kernel_lib.float8_scaled_mm.default, (qa, qb, sa, sb, None, torch.float32),
+    torch.library.opcheck(torch.ops.kernel_lib.float8_scaled_mm.default, (qa, qb, sa, sb, None, torch.float32, False),
                           test_utils=OPCHECKS)  # fmt: skip
 
 

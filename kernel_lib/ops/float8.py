@@ -7,7 +7,11 @@ Hopper's tensor cores multiply float8 (e4m3: 3 mantissa bits, up to 448; e5m2: 2
 bfloat16 rate. A float8 value alone covers too small a range, so each row of an operand carries a float32 scale:
 one per token of the activations and one per output feature of the weight in the forward. The GEMM multiplies the
 float8 tiles with float32 accumulation and multiplies the (M, N) result by the two scale vectors once, at the end:
-the scales cost nothing inside the K loop.
+the scales cost nothing inside the K loop. Hopper adds float8 products in a narrower accumulator than float32;
+``fast_accum=False`` adds each K step's partial (128 deep) into the float32 accumulator (DeepSeek-V3's promotion),
+``fast_accum=True`` lets the tensor cores accumulate all of K (faster, less exact: ``torch._scaled_mm``'s
+``use_fast_accum``). The layer uses fast accumulation for its output and promotes for both gradients, as torchao's
+recipes do.
 
 A linear layer's three products each need their operands scaled along the rows of the layout the GEMM reads
 (K contiguous), so the backward quantizes transposed copies (torchao's "rowwise" recipe does the same):
@@ -134,6 +138,7 @@ def _scaled_mm_kernel(
     M, N, K,  # the product's sizes
     sam, sbn,  # row strides of a and b
     HAS_BIAS: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,  # accumulate all of K in the tensor cores' narrow accumulator (else promote a step)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # output tile, K a step
     GROUP_M: tl.constexpr,  # row tiles a group: programs of a group walk its columns together (L2 reuse of b)
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter)
@@ -158,8 +163,10 @@ def _scaled_mm_kernel(
         b = tl.load(b_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if DOT_FP32:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:  # both tiles K-major, as Hopper's float8 products require; the accumulator in the product itself
-            acc = tl.dot(a, b, acc)
+        elif FAST_ACCUM:  # both tiles K-major, as Hopper's float8 products require; Triton's default on Hopper:
+            acc = tl.dot(a, b, acc)  # all of K in the narrow accumulator
+        else:  # each step's partial added to acc in float32: errors do not grow with K
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
     sa = tl.load(sa_ptr + offs_m, mask=m_mask, other=0.0)
     sb = tl.load(sb_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
@@ -189,7 +196,7 @@ def _quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return q.to(dtype), scale
 
 
-def _scaled_mm(qa, qb, sa, sb, bias, out_dtype: torch.dtype) -> torch.Tensor:
+def _scaled_mm(qa, qb, sa, sb, bias, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     M, K = qa.shape
     N = qb.shape[0]
     y = torch.empty((M, N), device=qa.device, dtype=out_dtype)
@@ -198,7 +205,7 @@ def _scaled_mm(qa, qb, sa, sb, bias, out_dtype: torch.dtype) -> torch.Tensor:
         grid = (triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]),)
         _scaled_mm_kernel[grid](
             qa, qb, sa, sb, bias if bias is not None else y, y, M, N, K, qa.stride(0), qb.stride(0),
-            HAS_BIAS=bias is not None, DOT_FP32=is_interpreting(), **c,
+            HAS_BIAS=bias is not None, FAST_ACCUM=fast_accum, DOT_FP32=is_interpreting(), **c,
         )  # fmt: skip
     return y
 
@@ -219,13 +226,13 @@ def _(x, dtype):
 @torch.library.custom_op("kernel_lib::float8_scaled_mm", mutates_args=())
 def _scaled_mm_op(
     qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: Optional[torch.Tensor],
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype, fast_accum: bool,
 ) -> torch.Tensor:  # fmt: skip
-    return _scaled_mm(qa, qb, sa, sb, bias, out_dtype)
+    return _scaled_mm(qa, qb, sa, sb, bias, out_dtype, fast_accum)
 
 
 @_scaled_mm_op.register_fake
-def _(qa, qb, sa, sb, bias, out_dtype):
+def _(qa, qb, sa, sb, bias, out_dtype, fast_accum):
     return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=out_dtype)
 
 
@@ -236,8 +243,8 @@ def _q(x, dtype):
     return launch_or_op(_quantize, _quantize_op)(x, dtype)
 
 
-def _mm(qa, qb, sa, sb, bias, out_dtype):
-    return launch_or_op(_scaled_mm, _scaled_mm_op)(qa, qb, sa, sb, bias, out_dtype)
+def _mm(qa, qb, sa, sb, bias, out_dtype, fast_accum=False):
+    return launch_or_op(_scaled_mm, _scaled_mm_op)(qa, qb, sa, sb, bias, out_dtype, fast_accum)
 
 
 class _Float8Linear(torch.autograd.Function):
@@ -247,7 +254,7 @@ class _Float8Linear(torch.autograd.Function):
         ctx.grad_dtype, ctx.has_bias = grad_dtype, bias is not None
         qx, sx = _q(x, torch.float8_e4m3fn)
         qw, sw = _q(weight, torch.float8_e4m3fn)
-        return _mm(qx, qw, sx, sw, bias, x.dtype)
+        return _mm(qx, qw, sx, sw, bias, x.dtype, fast_accum=True)  # the output: fast, as torchao's recipes
 
     @staticmethod
     def backward(ctx, dy):
@@ -288,9 +295,10 @@ def quantize_float8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -
     return _q(x, dtype)
 
 
-def scaled_mm(qa, qb, sa, sb, bias=None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def scaled_mm(qa, qb, sa, sb, bias=None, out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False):
     """(qa @ qb^T) * sa[:, None] * sb[None, :] (+ bias) in ``out_dtype``: qa (M, K) and qb (N, K) float8 with a unit
-    stride along K (what :func:`quantize_float8` returns), sa (M,) and sb (N,) float32. No autograd."""
+    stride along K (what :func:`quantize_float8` returns), sa (M,) and sb (N,) float32. ``fast_accum``: accumulate
+    all of K in Hopper's narrow float8 accumulator (faster, less exact; see the module docstring). No autograd."""
     for name, t in (("qa", qa), ("qb", qb)):
         check_tensor(t, name, dtypes=FP8_DTYPES, ndim=2)
         if t.stride(-1) != 1:
@@ -306,7 +314,7 @@ def scaled_mm(qa, qb, sa, sb, bias=None, out_dtype: torch.dtype = torch.bfloat16
     _check_float8_device(qa)
     if not use_triton(qa, op="scaled_mm"):
         return scaled_mm_ref(qa, qb, sa, sb, bias, out_dtype, compute=torch.float32)
-    return _mm(qa, qb, sa, sb, bias, out_dtype)
+    return _mm(qa, qb, sa, sb, bias, out_dtype, bool(fast_accum))
 
 
 def float8_linear_ref(x, weight, bias=None, grad_dtype=torch.float8_e4m3fn):
