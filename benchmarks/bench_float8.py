@@ -120,7 +120,7 @@ def main() -> int:
             impls["torchao Float8Linear (compiled)"] = (lambda x_, w_, m=ao: m(x_), 0.05)
         for name, (fn, allowed) in impls.items():
             if name.startswith("torchao"):  # its own weight: gradients land there
-                weight = ao[0].weight
+                weight = ao._orig_mod[0].weight  # the compiled wrapper's module
             else:
                 weight = w
             errors = []

@@ -4,6 +4,7 @@ and convert_to_float8 on a model, the custom ops, bad input."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernel_lib.ops import float8 as f8
 from kernel_lib.ops.float8 import (
@@ -63,8 +64,11 @@ def _cublas_error(qa, qb, sa, sb, bias, want, fast_accum=False) -> float:
     float64; on a GPU that has it, else 0 (the CPU path accumulates in float32)."""
     if qa.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return 0.0
+    M, N = qa.shape[0], qb.shape[0]
     one = torch.ones((), device=qa.device)
-    y = torch._scaled_mm(qa, qb.t(), one, one, out_dtype=torch.float32, use_fast_accum=fast_accum)
+    # cuBLAS takes sizes that are multiples of 16: zeros pad the operands (zeros along K add nothing)
+    qa, qb = (F.pad(t.view(torch.uint8), (0, -t.shape[1] % 16, 0, -t.shape[0] % 16)).view(t.dtype) for t in (qa, qb))
+    y = torch._scaled_mm(qa, qb.t(), one, one, out_dtype=torch.float32, use_fast_accum=fast_accum)[:M, :N]
     y = y.double() * sa.double()[:, None] * sb.double()[None, :] + (0 if bias is None else bias.double())
     return ((y - want).abs().max() / want.abs().max()).item()
 
