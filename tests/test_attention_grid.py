@@ -3,8 +3,9 @@ kernel_lib.attention on the GPU: every head dim it runs, its sequence-length pai
 bf16, no mask, causal and a causal window, with its rule (error at most 2x PyTorch's own low-precision error) on
 out, dq, dk and dv. A slice of it runs on the CPU under the interpreter.
 
-One test per (head dim, dtype, mask) loops over the length pairs, so the kernels it compiles (N and M are not
-specialized on) serve every pair; the layouts cycle with the pairs.
+One test per (head dim, dtype, mask) loops over half the length pairs, so the kernels it compiles (N and M are not
+specialized on) serve them all; the layouts cycle with the pairs. Which half, and which dtype, alternate so that
+every pair of factors meets (see over_the_grid).
 """
 
 import functools
@@ -45,30 +46,31 @@ def check_case(B, Hq, Hkv, N, M, D, Dv, causal, window, dtype, device):
     check_forward_backward(kernel, reference, [q, k, v], atol=ATOL[dtype], baseline=baseline, name=f"out {N}x{M}")
 
 
-def over_the_grid(group: str, turn: int = 0):
+def over_the_grid(pairs: list, turn: int = 0):
     """The grid's parametrization, for the fixed-length and the packed tests alike: every head dim with every mask,
-    in fp16 or bf16 by turns (each head dim and each mask meets both dtypes; ``turn`` 0 and 1 are the two halves,
-    so the fixed-length grid and the packed one together run every (head dim, dtype, mask)). Each kernel set is
-    compiled per (head dim, dtype, mask): the halving keeps ``make test-gpu`` within its 15 minutes. The cases are
-    spread over twelve xdist groups named after ``group``, each on one worker under --dist loadgroup; GPU only."""
+    in fp16 or bf16 by turns, and half of the length ``pairs`` by turns (even or odd places), so that each head
+    dim, mask, dtype and half meets each other one: every head dim runs every pair and both dtypes, and ``turn`` 0
+    and 1 (the fixed-length and the packed grid) together run every (head dim, dtype, mask). The test gets its
+    (N, M) pairs as ``pairs``. Kernels compile per (head dim, dtype, mask) and per stride alignment: the halvings
+    keep ``make test-gpu`` near its 15 minutes (the whole grid took an hour of one worker). GPU only."""
     dtypes = [(torch.float16, "fp16"), (torch.bfloat16, "bf16")]
     cases = []
     for i, D in enumerate(HEAD_DIMS):
         for j, mask in enumerate(MASKS):
             dtype, name = dtypes[(i + j + turn) % 2]
-            mark = pytest.mark.xdist_group(f"{group}-{len(cases) % 12}")
-            cases.append(pytest.param(D, dtype, mask, marks=mark, id=f"{mask}-{name}-{D}"))
+            half = (i // 2 + j) % 2
+            cases.append(pytest.param(D, dtype, mask, pairs[half::2], id=f"{mask}-{name}-{D}-{'eo'[half]}"))
 
     def wrap(test):
-        return pytest.mark.gpu(pytest.mark.parametrize("D, dtype, mask", cases)(test))
+        return pytest.mark.gpu(pytest.mark.parametrize("D, dtype, mask, pairs", cases)(test))
 
     return wrap
 
 
-@over_the_grid("attention-grid")
-def test_flash_attention_grid(D, dtype, mask):
+@over_the_grid(SEQLEN_PAIRS)
+def test_flash_attention_grid(D, dtype, mask, pairs):
     causal, window = MASKS[mask]
-    for i, (N, M) in enumerate(SEQLEN_PAIRS):
+    for i, (N, M) in enumerate(pairs):
         Hq, Hkv = LAYOUTS[i % len(LAYOUTS)]
         check_case(1, Hq, Hkv, N, M, D, D, causal, window, dtype, "cuda")
 

@@ -193,11 +193,11 @@ def test_module_with_packed_documents(device):
 GRID_PAIRS = SEQLEN_PAIRS[::2]
 
 
-@over_the_grid("attention-varlen-grid", turn=1)  # the dtypes the fixed-length grid does not run
-def test_flash_attention_varlen_grid(D, dtype, mask):
+@over_the_grid(GRID_PAIRS, turn=1)  # the dtypes the fixed-length grid does not run
+def test_flash_attention_varlen_grid(D, dtype, mask, pairs):
     causal, window = MASKS[mask]
     gen = torch.Generator().manual_seed(D)
-    for i, (N, M) in enumerate(GRID_PAIRS):
+    for i, (N, M) in enumerate(pairs):
         # FlashAttention's random padding: each document between 20 tokens short of the pair and the pair
         lengths_q = torch.randint(max(1, N - 20), N + 1, (3,), generator=gen).tolist()
         lengths_k = torch.randint(max(1, M - 20), M + 1, (3,), generator=gen).tolist()
