@@ -12,6 +12,7 @@ from kernel_lib.ops.float8 import (
     convert_to_float8,
     float8_linear,
     quantize_float8,
+    quantize_float8_both,
     quantize_float8_ref,
     scaled_mm,
     scaled_mm_ref,
@@ -150,6 +151,7 @@ OPCHECKS = ("test_faketensor", "test_aot_dispatch_dynamic")
 def test_opcheck(device):
     x = torch.randn(6, 40, device=device)
     torch.library.opcheck(torch.ops.kernel_lib.float8_quantize.default, (x, E4M3), test_utils=OPCHECKS)
+    torch.library.opcheck(torch.ops.kernel_lib.float8_quantize_both.default, (x, E4M3), test_utils=OPCHECKS)
     qa, sa = quantize_float8_ref(x)
     qb, sb = quantize_float8_ref(torch.randn(8, 40, device=device))
     torch.library.opcheck(torch.ops.kernel_lib.float8_scaled_mm.default, (qa, qb, sa, sb, None, torch.float32, False),
@@ -213,3 +215,32 @@ def test_convert_a_kernel_lib_gpt_reaches_every_projection(device):
             module.register_forward_hook(lambda m, args, out, name=name: ran.append(name))
     model(torch.randint(0, 64, (2, 8), device=device)).sum().backward()
     assert sorted(ran) == ["blocks.0.attn.o", "blocks.0.attn.qkv", "blocks.0.mlp.down", "blocks.0.mlp.gate_up"]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("shape", [(5, 40), (70, 130), (1, 3)], ids=str)  # a tile; ragged tiles both ways; one row
+def test_quantize_both_ways_equals_each_way_alone(device, dtype, shape):
+    x = torch.randn(shape, device=device) * torch.logspace(-3, 2, shape[0], device=device)[:, None]
+    x[0] = 0  # an all-zero row: scale 1; its column maxima come from the other rows
+    q, s, qt, st = quantize_float8_both(x.bfloat16(), dtype)
+    q_ref, s_ref = quantize_float8(x.bfloat16(), dtype)
+    qt_ref, st_ref = quantize_float8(x.bfloat16().t(), dtype)
+    assert q.dtype == qt.dtype == dtype and qt.shape == shape[::-1] and qt.is_contiguous()
+    for got, want in ((s, s_ref), (st, st_ref)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(q.float(), q_ref.float()) and torch.equal(qt.float(), qt_ref.float())
+
+
+@pytest.mark.parametrize("needs", ["x", "weight", "both"])
+def test_float8_linear_quantizes_what_the_backward_needs(device, needs):
+    """A frozen weight (or input) skips its transposed copy; the gradients that are asked for are still right."""
+    x = torch.randn(33, 64, device=device, requires_grad=needs != "weight")
+    w = (torch.randn(40, 64, device=device) * 0.1).requires_grad_(needs != "x")
+    dy = torch.randn(33, 40, device=device)
+    float8_linear(x, w).backward(dy)
+    _, want_dx, want_dw, _ = _recipe64(x.detach(), w.detach(), None, dy, E4M3)
+    for t, want in ((x, want_dx), (w, want_dw)):
+        if t.requires_grad:
+            torch.testing.assert_close(t.grad.double(), want, rtol=0.02, atol=0.02 * want.abs().max().item())
+        else:
+            assert t.grad is None

@@ -20,6 +20,11 @@ A linear layer's three products each need their operands scaled along the rows o
     dgrad     dx = dy W         a = dy  (M, N) per token,            b = W^T (K, N) per input feature
     wgrad     dW = dy^T x       a = dy^T (N, M) per output feature,  b = x^T (K, M) per input feature
 
+The layer quantizes each tensor both ways in one kernel pair (``quantize_float8_both``: row and column maxima in
+one read, then both casts, the column-scaled copy written transposed): x and W in the forward, whose transposed
+float8 copies (1 byte an element) are what the backward keeps instead of x and W; dy in the backward. Six row
+quantizations of three tensors, three of them of transposed copies, become three two-way ones.
+
 Gradients are quantized to e4m3 by default (``grad_dtype``: e5m2 trades a mantissa bit for range). The bias and
 its gradient stay in the layer's dtype. Rounding is to nearest, values clamped to the float8 range (a scale makes
 the row's largest magnitude exactly FP8_MAX). The error against bfloat16 is float8's (a relative step of 2^-3 for
@@ -44,6 +49,7 @@ from ._utils import check_same_device, check_tensor, is_interpreting, launch_or_
 __all__ = [
     "quantize_float8",
     "quantize_float8_ref",
+    "quantize_float8_both",
     "scaled_mm",
     "scaled_mm_ref",
     "float8_linear",
@@ -81,6 +87,7 @@ def scaled_mm_ref(qa, qb, sa, sb, bias=None, out_dtype=torch.bfloat16, compute=t
 # Configs
 # --------------------------------------------------------------------------------------------------
 QUANT_BLOCK = 1024  # columns a step of the quantizer (two passes over a row: its absolute maximum, then the cast)
+BOTH_BLOCK_R, BOTH_BLOCK_C = 64, 128  # the two-way quantizer's tile: its transposed store goes 64 rows a line
 
 
 def _mm_config(M: int, N: int) -> dict:
@@ -125,6 +132,63 @@ def _quantize_rows_kernel(
             tl.store(q_ptr + row * C + cols, q, mask=cols < C)
         else:
             tl.store(q_ptr + row * C + cols, q.to(q_ptr.dtype.element_ty), mask=cols < C)
+
+
+@triton.jit
+def _amax_both_kernel(
+    x_ptr,  # (R, C) input, unit stride along C
+    row_amax_ptr,  # (R,) float32, zeroed: output, each row's largest magnitude
+    col_amax_ptr,  # (C,) float32, zeroed: output, each column's largest magnitude
+    R, C,  # rows and columns
+    sxr,  # x's row stride
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,  # the tile a program reads
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    a = tl.abs(tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+    # the maxima of magnitudes are >= 0: float atomics of max are exact and order-free
+    tl.atomic_max(row_amax_ptr + rows, tl.max(a, axis=1), mask=rows < R)
+    tl.atomic_max(col_amax_ptr + cols, tl.max(a, axis=0), mask=cols < C)
+
+
+@triton.jit
+def _cast_both_kernel(
+    x_ptr,  # (R, C) input, unit stride along C
+    q_ptr,  # (R, C) float8 output, contiguous: x scaled by rows (float32 when HOST_CAST)
+    qt_ptr,  # (C, R) float8 output, contiguous: x^T scaled by its rows, x's columns (float32 when HOST_CAST)
+    row_amax_ptr, col_amax_ptr,  # (R,), (C,) float32 from _amax_both_kernel
+    row_scale_ptr, col_scale_ptr,  # (R,), (C,) float32 outputs: amax / FP8_MAX, 1 for an all-zero line
+    R, C, sxr,  # as in _amax_both_kernel
+    FP8_MAX: tl.constexpr,  # the float8 format's largest finite value
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HOST_CAST: tl.constexpr,  # as in _quantize_rows_kernel
+):  # fmt: skip
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok, c_ok = rows < R, cols < C
+    mask = r_ok[:, None] & c_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    top_r = tl.load(row_amax_ptr + rows, mask=r_ok, other=0.0)
+    top_c = tl.load(col_amax_ptr + cols, mask=c_ok, other=0.0)
+    s_r = tl.where(top_r > 0, top_r / FP8_MAX, 1.0)  # the same arithmetic as the row quantizer's
+    s_c = tl.where(top_c > 0, top_c / FP8_MAX, 1.0)
+    if pid_c == 0:  # one program a line writes its scale
+        tl.store(row_scale_ptr + rows, s_r, mask=r_ok)
+    if pid_r == 0:
+        tl.store(col_scale_ptr + cols, s_c, mask=c_ok)
+    q = tl.minimum(tl.maximum(x / s_r[:, None], -FP8_MAX), FP8_MAX)  # a division, as in _quantize_rows_kernel
+    qt = tl.trans(tl.minimum(tl.maximum(x / s_c[None, :], -FP8_MAX), FP8_MAX))  # (BLOCK_C, BLOCK_R)
+    q_out = q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :]
+    qt_out = qt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :]
+    mask_t = c_ok[:, None] & r_ok[None, :]
+    if HOST_CAST:
+        tl.store(q_out, q, mask=mask)
+        tl.store(qt_out, qt, mask=mask_t)
+    else:
+        tl.store(q_out, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(qt_out, qt.to(qt_ptr.dtype.element_ty), mask=mask_t)
 
 
 @triton.jit
@@ -196,6 +260,25 @@ def _quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return q.to(dtype), scale
 
 
+def _quantize_both(x: torch.Tensor, dtype: torch.dtype):
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    R, C = x.shape
+    host_cast = is_interpreting()
+    q_dtype = torch.float32 if host_cast else dtype
+    q = torch.empty((R, C), device=x.device, dtype=q_dtype)
+    qt = torch.empty((C, R), device=x.device, dtype=q_dtype)
+    amax = torch.zeros(R + C, device=x.device, dtype=torch.float32)  # one zeroing for both
+    scales = torch.ones(R + C, device=x.device, dtype=torch.float32)
+    if R and C:
+        grid = (triton.cdiv(R, BOTH_BLOCK_R), triton.cdiv(C, BOTH_BLOCK_C))
+        _amax_both_kernel[grid](x, amax[:R], amax[R:], R, C, x.stride(0), BLOCK_R=BOTH_BLOCK_R,
+                                BLOCK_C=BOTH_BLOCK_C)  # fmt: skip
+        _cast_both_kernel[grid](x, q, qt, amax[:R], amax[R:], scales[:R], scales[R:], R, C, x.stride(0),
+                                FP8_MAX=_fp8_max(dtype), BLOCK_R=BOTH_BLOCK_R, BLOCK_C=BOTH_BLOCK_C,
+                                HOST_CAST=host_cast)  # fmt: skip
+    return q.to(dtype), scales[:R], qt.to(dtype), scales[R:]
+
+
 def _scaled_mm(qa, qb, sa, sb, bias, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     M, K = qa.shape
     N = qb.shape[0]
@@ -223,6 +306,21 @@ def _(x, dtype):
     return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[:1], dtype=torch.float32)
 
 
+@torch.library.custom_op("kernel_lib::float8_quantize_both", mutates_args=())
+def _quantize_both_op(
+    x: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _quantize_both(x, dtype)
+
+
+@_quantize_both_op.register_fake
+def _(x, dtype):
+    R, C = x.shape
+    f32 = torch.float32
+    return x.new_empty((R, C), dtype=dtype), x.new_empty((R,), dtype=f32), x.new_empty((C, R), dtype=dtype), \
+        x.new_empty((C,), dtype=f32)  # fmt: skip
+
+
 @torch.library.custom_op("kernel_lib::float8_scaled_mm", mutates_args=())
 def _scaled_mm_op(
     qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: Optional[torch.Tensor],
@@ -243,6 +341,10 @@ def _q(x, dtype):
     return launch_or_op(_quantize, _quantize_op)(x, dtype)
 
 
+def _q2(x, dtype):
+    return launch_or_op(_quantize_both, _quantize_both_op)(x, dtype)
+
+
 def _mm(qa, qb, sa, sb, bias, out_dtype, fast_accum=False):
     return launch_or_op(_scaled_mm, _scaled_mm_op)(qa, qb, sa, sb, bias, out_dtype, fast_accum)
 
@@ -250,24 +352,35 @@ def _mm(qa, qb, sa, sb, bias, out_dtype, fast_accum=False):
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, grad_dtype):
-        ctx.save_for_backward(x, weight)
-        ctx.grad_dtype, ctx.has_bias = grad_dtype, bias is not None
-        qx, sx = _q(x, torch.float8_e4m3fn)
-        qw, sw = _q(weight, torch.float8_e4m3fn)
+        ctx.grad_dtype, ctx.has_bias, ctx.dtypes = grad_dtype, bias is not None, (x.dtype, weight.dtype)
+        e4m3 = torch.float8_e4m3fn
+        # each operand quantized both ways when the backward needs its transposed copy (dx needs W^T, dW needs x^T)
+        if ctx.needs_input_grad[1]:
+            qx, sx, qxt, sxt = _q2(x, e4m3)
+        else:
+            (qx, sx), qxt, sxt = _q(x, e4m3), None, None
+        if ctx.needs_input_grad[0]:
+            qw, sw, qwt, swt = _q2(weight, e4m3)
+        else:
+            (qw, sw), qwt, swt = _q(weight, e4m3), None, None
+        ctx.save_for_backward(qxt, sxt, qwt, swt)  # float8 copies: a byte an element kept, not x's and W's two
         return _mm(qx, qw, sx, sw, bias, x.dtype, fast_accum=True)  # the output: fast, as torchao's recipes
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        qxt, sxt, qwt, swt = ctx.saved_tensors
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # dx = dy W: dy per token, W^T per input feature
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_dx and need_dw:  # dy by rows (dx = dy W) and by columns (dW = dy^T x) from one two-way pass
+            qdy, sdy, qdyt, sdyt = _q2(dy, ctx.grad_dtype)
+        elif need_dx:
             qdy, sdy = _q(dy, ctx.grad_dtype)
-            qwt, swt = _q(weight.t(), torch.float8_e4m3fn)
-            dx = _mm(qdy, qwt, sdy, swt, None, x.dtype)
-        if ctx.needs_input_grad[1]:  # dW = dy^T x: dy^T per output feature, x^T per input feature
+        elif need_dw:
             qdyt, sdyt = _q(dy.t(), ctx.grad_dtype)
-            qxt, sxt = _q(x.t(), torch.float8_e4m3fn)
-            dw = _mm(qdyt, qxt, sdyt, sxt, None, weight.dtype)
+        if need_dx:  # dx = dy W: dy per token, W^T per input feature
+            dx = _mm(qdy, qwt, sdy, swt, None, ctx.dtypes[0])
+        if need_dw:  # dW = dy^T x: dy^T per output feature, x^T per input feature
+            dw = _mm(qdyt, qxt, sdyt, sxt, None, ctx.dtypes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(dim=0, dtype=torch.float32).to(dy.dtype)
         return dx, dw, db, None
@@ -293,6 +406,17 @@ def quantize_float8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -
     if not use_triton(x, op="quantize_float8"):
         return quantize_float8_ref(x, dtype)
     return _q(x, dtype)
+
+
+def quantize_float8_both(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
+    """``quantize_float8(x) + quantize_float8(x.t())`` in one read of x: (q (R, C), scale (R,), qt (C, R), scale_t
+    (C,)), qt x^T's rows (x's columns) scaled each by its largest magnitude, written contiguous."""
+    check_tensor(x, "x", ndim=2)
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype}")
+    if not use_triton(x, op="quantize_float8_both"):
+        return (*quantize_float8_ref(x, dtype), *quantize_float8_ref(x.t(), dtype))
+    return _q2(x, dtype)
 
 
 def scaled_mm(qa, qb, sa, sb, bias=None, out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False):
