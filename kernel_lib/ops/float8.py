@@ -268,15 +268,15 @@ def _quantize_both(x: torch.Tensor, dtype: torch.dtype):
     q = torch.empty((R, C), device=x.device, dtype=q_dtype)
     qt = torch.empty((C, R), device=x.device, dtype=q_dtype)
     amax = torch.zeros(R + C, device=x.device, dtype=torch.float32)  # one zeroing for both
-    scales = torch.ones(R + C, device=x.device, dtype=torch.float32)
+    scale, scale_t = (torch.ones(n, device=x.device, dtype=torch.float32) for n in (R, C))  # separate: no aliases
     if R and C:
         grid = (triton.cdiv(R, BOTH_BLOCK_R), triton.cdiv(C, BOTH_BLOCK_C))
         _amax_both_kernel[grid](x, amax[:R], amax[R:], R, C, x.stride(0), BLOCK_R=BOTH_BLOCK_R,
                                 BLOCK_C=BOTH_BLOCK_C)  # fmt: skip
-        _cast_both_kernel[grid](x, q, qt, amax[:R], amax[R:], scales[:R], scales[R:], R, C, x.stride(0),
+        _cast_both_kernel[grid](x, q, qt, amax[:R], amax[R:], scale, scale_t, R, C, x.stride(0),
                                 FP8_MAX=_fp8_max(dtype), BLOCK_R=BOTH_BLOCK_R, BLOCK_C=BOTH_BLOCK_C,
                                 HOST_CAST=host_cast)  # fmt: skip
-    return q.to(dtype), scales[:R], qt.to(dtype), scales[R:]
+    return q.to(dtype), scale, qt.to(dtype), scale_t
 
 
 def _scaled_mm(qa, qb, sa, sb, bias, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
