@@ -97,17 +97,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results")
     parser.add_argument("--tokens", type=int, default=TOKENS)
+    parser.add_argument("--shapes", default="q,gate,down", help="which projections, in this order (q, gate, down)")
+    parser.add_argument("--no-gemm", action="store_true", help="skip the products alone; time the layer's step only")
     args = parser.parse_args()
     env = bench.require_gpu("bench_float8")
     ceiling = bench.matmul_tflops(torch.bfloat16)
     print(f"bf16 matmul ceiling {ceiling:,.0f} TFLOP/s")
     rows, failed = [], False
     torch.manual_seed(0)
-    for K, N in SHAPES.values():
+    names = {name.split()[0]: name for name in SHAPES}
+    shapes = {names[key]: SHAPES[names[key]] for key in args.shapes.split(",")}
+    for K, N in [] if args.no_gemm else shapes.values():
         gemm_rows = gemm_alone(args.tokens, N, K)
         failed |= any(r["status"] != "ok" for r in gemm_rows)
         rows += gemm_rows
-    for shape, (K, N) in SHAPES.items():
+    for shape, (K, N) in shapes.items():
         M = args.tokens
         x = torch.randn(M, K, device="cuda").bfloat16().requires_grad_()
         w = (torch.randn(N, K, device="cuda") * K**-0.5).bfloat16().requires_grad_()
