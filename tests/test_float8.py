@@ -8,13 +8,19 @@ import torch.nn.functional as F
 
 from kernel_lib.ops import float8 as f8
 from kernel_lib.ops.float8 import (
+    RECIPES,
     Float8Linear,
     convert_to_float8,
     float8_linear,
+    float8_linear_ref,
     quantize_float8,
+    quantize_float8_blocks,
+    quantize_float8_blocks_ref,
     quantize_float8_both,
     quantize_float8_ref,
     scaled_mm,
+    scaled_mm_blocks,
+    scaled_mm_blocks_ref,
     scaled_mm_ref,
 )
 from tests._checks import TinyLM
@@ -244,3 +250,153 @@ def test_float8_linear_quantizes_what_the_backward_needs(device, needs):
             torch.testing.assert_close(t.grad.double(), want, rtol=0.02, atol=0.02 * want.abs().max().item())
         else:
             assert t.grad is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Block scales (DeepSeek-V3's 1 x 128 / 128 x 128)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("shape", [(3, 128), (130, 300), (1, 5)], ids=str)  # one block; ragged blocks; one row
+def test_quantize_blocks_against_the_reference(device, block_rows, shape):
+    x = torch.randn(shape, device=device)
+    x[:, :128] *= 100  # a block of outliers: it must not cost the next blocks their precision
+    q, scales = quantize_float8_blocks(x.bfloat16(), block_rows)
+    q_ref, scales_ref = quantize_float8_blocks_ref(x.bfloat16(), block_rows)
+    assert scales.shape == ((shape[0] if block_rows == 1 else -(-shape[0] // 128)), -(-shape[1] // 128))
+    torch.testing.assert_close(scales, scales_ref, rtol=0, atol=0)
+    assert torch.equal(q.float(), q_ref.float())
+    if shape[1] > 128:  # the second block's scale follows its own values, 100x smaller than the first's
+        assert (scales[:, 1] < scales[:, 0] / 20).all()
+
+
+@pytest.mark.parametrize("b_rows", [1, 128], ids=["b-by-rows", "b-by-tiles"])
+@pytest.mark.parametrize("M, N, K", [(33, 70, 300), (1, 16, 128), (20, 130, 40)], ids=str)  # ragged; one row; K < 128
+def test_scaled_mm_blocks_against_float64(device, M, N, K, b_rows):
+    qa, sa = quantize_float8_blocks_ref(torch.randn(M, K, device=device), 1)
+    qb, sb = quantize_float8_blocks_ref(torch.randn(N, K, device=device), b_rows)
+    y = scaled_mm_blocks(qa, qb, sa, sb, torch.float32)
+    want = scaled_mm_blocks_ref(qa, qb, sa, sb, torch.float64)
+    tol = 1e-5 + (2 * _cublas_error_blocks(qa, qb, sa, sb, want) if device == "cuda" else 0.0)
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def _cublas_error_blocks(qa, qb, sa, sb, want) -> float:
+    """cuBLAS's accumulation error on the block-scaled product: each 128-deep step through ``torch._scaled_mm``
+    (unit scales, float32 out), scaled and summed in float64, relative to the largest output."""
+    total = torch.zeros_like(want)
+    for kb in range(sa.shape[1]):
+        part = slice(kb * 128, (kb + 1) * 128)
+        qa_k, qb_k = qa[:, part].contiguous(), qb[:, part].contiguous()
+        sa_k = sa[:, kb].double()[:, None]
+        sb_k = f8._expand_scales(sb[:, kb : kb + 1], qb.shape[0], 1).double()[:, 0][None, :]
+        total += _cublas_error_part(qa_k, qb_k) * sa_k * sb_k
+    return ((total - want).abs().max() / want.abs().max()).item()
+
+
+def _cublas_error_part(qa, qb) -> torch.Tensor:
+    M, N = qa.shape[0], qb.shape[0]
+    one = torch.ones((), device=qa.device)
+    qa, qb = (F.pad(t.view(torch.uint8), (0, -t.shape[1] % 16, 0, -t.shape[0] % 16)).view(t.dtype) for t in (qa, qb))
+    return torch._scaled_mm(qa, qb.t(), one, one, out_dtype=torch.float32)[:M, :N].double()
+
+
+def _recipe64_blocks(x, w, b, dy, grad_dtype):
+    """The blockwise recipe of the module docstring in float64, every operand quantized as the kernels do."""
+
+    def mm(a, a_dtype, bt, b_rows):  # a (M, K) in 1 x 128 blocks @ bt (N, K)^T in b_rows x 128 blocks
+        (qa, sa), (qb, sb) = quantize_float8_blocks_ref(a, 1, a_dtype), quantize_float8_blocks_ref(bt, b_rows, E4M3)
+        return scaled_mm_blocks_ref(qa, qb, sa, sb, torch.float64)
+
+    qw, sw = quantize_float8_blocks_ref(w, 128)
+    w_blocks = qw.double() * f8._expand_scales(sw, *w.shape).double()  # W as its 128 x 128 blocks give it back
+    y = mm(x, E4M3, w, 128) + (b.double() if b is not None else 0)
+    qdy, sdy = quantize_float8_blocks_ref(dy, 1, grad_dtype)
+    dx = (qdy.double() * f8._expand_scales(sdy, *dy.shape).double()) @ w_blocks  # W^T's blocks are W's
+    dw = mm(dy.t(), grad_dtype, x.t(), 1)
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("grad_dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_blockwise_linear_forward_backward_against_the_recipe(device, grad_dtype, bias):
+    torch.manual_seed(0)
+    x = torch.randn(3, 70, 300, device=device).bfloat16().requires_grad_()  # 210 tokens: ragged token blocks
+    w = (torch.randn(200, 300, device=device) * 0.05).bfloat16().requires_grad_()  # ragged weight blocks
+    b = torch.randn(200, device=device).bfloat16().requires_grad_() if bias else None
+    dy = torch.randn(3, 70, 200, device=device).bfloat16()
+    y = float8_linear(x, w, b, grad_dtype, recipe="blockwise")
+    y.backward(dy)
+    want_y, want_dx, want_dw = _recipe64_blocks(x.detach().reshape(-1, 300), w.detach(), b, dy.reshape(-1, 200),
+                                                grad_dtype)  # fmt: skip
+    for got, want in ((y.reshape(-1, 200), want_y), (x.grad.reshape(-1, 300), want_dx), (w.grad, want_dw)):
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    torch.testing.assert_close(y, float8_linear_ref(x.detach(), w.detach(), b, recipe="blockwise"), rtol=2**-7,
+                               atol=2**-7 * want_y.abs().max().item())  # fmt: skip
+
+
+def test_blockwise_is_closer_than_rowwise_with_an_outlier(device):
+    """The point of blocks: one large activation spoils only its own block of 128 channels, not its whole row. The
+    weight's columns under that block are zero, so the error left is what the other channels lost. (e4m3 is a
+    floating-point format: a row scaled by an outlier 1,000x its other values keeps their relative precision; at
+    10^5x they fall below e4m3's smallest normal, 2^-6 of the scale, and lose it.)"""
+    x = torch.randn(64, 512, device=device)
+    x[:, 5] = 1e5  # an outlier channel
+    w = torch.randn(96, 512, device=device) * 0.05
+    w[:, :128] = 0
+    want = x.double() @ w.double().T
+    err = {r: (float8_linear(x, w, recipe=r).double() - want).norm().item() / want.norm().item() for r in RECIPES}
+    assert err["blockwise"] < 0.05 and err["rowwise"] > 3 * err["blockwise"], err
+
+
+def test_blockwise_module_and_conversion(device):
+    model = convert_to_float8(TinyLM().to(device), recipe="blockwise")
+    assert model.up.recipe == "blockwise" and "blockwise" in repr(model.up)
+    model(torch.randn(8, 64, device=device)).sum().backward()
+    assert model.up.weight.grad is not None
+    with pytest.raises(ValueError, match="recipe"):
+        convert_to_float8(TinyLM(), recipe="tensorwise")
+
+
+def test_blockwise_bad_input_is_named():
+    qa, sa = quantize_float8_blocks_ref(torch.randn(4, 256), 1)
+    qb, sb = quantize_float8_blocks_ref(torch.randn(8, 256), 128)
+    with pytest.raises(ValueError, match="block_rows"):
+        quantize_float8_blocks(torch.randn(4, 8), 64)
+    with pytest.raises(ValueError, match="want"):
+        scaled_mm_blocks(qa, qb, sa[:, :1].contiguous(), sb)
+    with pytest.raises(ValueError, match="recipe"):
+        float8_linear(torch.randn(4, 16), torch.randn(8, 16), recipe="tensorwise")
+
+
+def test_blockwise_opcheck(device):
+    x = torch.randn(6, 200, device=device)
+    for rows in (1, 128):
+        torch.library.opcheck(torch.ops.kernel_lib.float8_quantize_blocks.default, (x, rows, E4M3),
+                              test_utils=OPCHECKS)  # fmt: skip
+    qa, sa = quantize_float8_blocks_ref(x, 1)
+    qb, sb = quantize_float8_blocks_ref(torch.randn(8, 200, device=device), 128)
+    torch.library.opcheck(torch.ops.kernel_lib.float8_scaled_mm_blocks.default, (qa, qb, sa, sb, torch.float32),
+                          test_utils=OPCHECKS)  # fmt: skip
+
+
+def test_blockwise_compiles_without_graph_break(device):
+    x = torch.randn(16, 256, device=device, requires_grad=True)
+    w = torch.randn(64, 256, device=device, requires_grad=True)
+    compiled = torch.compile(lambda x, w: float8_linear(x, w, recipe="blockwise"), fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), float8_linear(x, w, recipe="blockwise"))
+    compiled(x, w).sum().backward()
+    assert x.grad is not None and w.grad is not None
+
+
+@pytest.mark.gpu
+def test_blockwise_model_sized_on_gpu():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 products need an Ada or Hopper GPU (compute capability 8.9+)")
+    x = torch.randn(4096, 4096, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(4096, 4096, device="cuda") * 0.02).bfloat16().requires_grad_()
+    dy = torch.randn(4096, 4096, device="cuda").bfloat16()
+    y = float8_linear(x, w, recipe="blockwise")
+    y.backward(dy)
+    want_y, want_dx, want_dw = _recipe64_blocks(x.detach(), w.detach(), None, dy, E4M3)
+    for got, want in ((y, want_y), (x.grad, want_dx), (w.grad, want_dw)):
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())

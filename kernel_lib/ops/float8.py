@@ -25,6 +25,16 @@ one read, then both casts, the column-scaled copy written transposed): x and W i
 float8 copies (1 byte an element) are what the backward keeps instead of x and W; dy in the backward. Six row
 quantizations of three tensors, three of them of transposed copies, become three two-way ones.
 
+Block scales (``recipe="blockwise"``, DeepSeek-V3's fine-grained recipe): a scale per 1 x 128 block of an
+activation or gradient row and per 128 x 128 block of the weight, so one outlier costs the precision of 128
+values, not of a whole row. The product then scales inside the K loop: each 128-deep step's partial is multiplied
+by its blocks' scales and added to the float32 accumulator (the promotion above, for free):
+
+    y[m, n] = sum_k  sa[m, k] * sb[n // 128, k] * (qa[m, 128k:128k+128] . qb[n, 128k:128k+128])
+
+The weight's 128 x 128 grid serves W^T as it is (transposed), so the backward's dgrad reuses the forward's float8
+weight; the wgrad quantizes dy^T and x^T in 1 x 128 blocks along the tokens.
+
 Gradients are quantized to e4m3 by default (``grad_dtype``: e5m2 trades a mantissa bit for range). The bias and
 its gradient stay in the layer's dtype. Rounding is to nearest, values clamped to the float8 range (a scale makes
 the row's largest magnitude exactly FP8_MAX). The error against bfloat16 is float8's (a relative step of 2^-3 for
@@ -34,11 +44,13 @@ Measured on an H200 (2026-11-29, torch 2.11, triton 3.6; ``benchmarks/bench_floa
 projections): the product alone reaches 745-858 TFLOP/s promoted and 996-1,137 fast, against cuBLAS's
 (``torch._scaled_mm``) 1,130-1,217 and 1,237-1,404 (bf16 cuBLAS 671-786); a layer's training step is 1.13-1.16x
 bf16 at the 14,336-wide projections and 0.74x at 4096 x 4096, where torchao's compiled ``Float8Linear`` is 0.78x.
-Details and what is left: benchmarks/NOTES.md.
+Details and what is left: benchmarks/NOTES.md. The block-scaled recipe is tested on the CPU only (written
+2026-11-29): not yet run on a GPU.
 
-Registered as the ``kernel_lib::float8_quantize``, ``float8_quantize_both`` and ``float8_scaled_mm`` custom ops
-with fake implementations, so ``torch.compile(fullgraph=True)`` traces through them. Sources: Micikevicius et al., "FP8
-formats for deep learning" (2022); torchao's float8 training recipes; DeepSeek-V3's fine-grained scaling (2024).
+Registered as custom ops (``kernel_lib::float8_quantize``, ``float8_quantize_both``, ``float8_quantize_blocks``,
+``float8_scaled_mm``, ``float8_scaled_mm_blocks``) with fake implementations, so ``torch.compile(fullgraph=True)``
+traces through them. Sources: Micikevicius et al., "FP8 formats for deep learning" (2022); torchao's float8
+training recipes; DeepSeek-V3's fine-grained scaling (2024).
 """
 
 from typing import Optional
@@ -53,8 +65,12 @@ __all__ = [
     "quantize_float8",
     "quantize_float8_ref",
     "quantize_float8_both",
+    "quantize_float8_blocks",
+    "quantize_float8_blocks_ref",
     "scaled_mm",
     "scaled_mm_ref",
+    "scaled_mm_blocks",
+    "scaled_mm_blocks_ref",
     "float8_linear",
     "float8_linear_ref",
     "Float8Linear",
@@ -80,6 +96,34 @@ def quantize_float8_ref(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3f
     return q, scale
 
 
+def quantize_float8_blocks_ref(x: torch.Tensor, block_rows: int = 1, dtype: torch.dtype = torch.float8_e4m3fn):
+    """(q (R, C) float8, scales (ceil(R / block_rows), ceil(C / 128)) float32): x ~ q times the scale of its block
+    of ``block_rows`` x 128 (1: a scale per row and 128 columns; 128: per 128 x 128 tile); an all-zero block gets 1.
+    """
+    R, C = x.shape
+    xf = x.float()
+    pr, pc = -R % block_rows, -C % BLOCK
+    blocks = torch.nn.functional.pad(xf, (0, pc, 0, pr)).reshape((R + pr) // block_rows, block_rows, -1, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scales = torch.where(amax > 0, amax / _fp8_max(dtype), torch.ones_like(amax))
+    full = scales.repeat_interleave(block_rows, 0)[:R].repeat_interleave(BLOCK, 1)[:, :C]
+    q = (xf / full).clamp(-_fp8_max(dtype), _fp8_max(dtype)).to(dtype)
+    return q, scales
+
+
+def _expand_scales(scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A (rows, cols) grid of each element's scale from per-row (rows, KB) or per-tile (ceil(rows / 128), KB)."""
+    block_rows = 1 if scales.shape[0] == rows else BLOCK
+    return scales.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+
+
+def scaled_mm_blocks_ref(qa, qb, sa, sb, out_dtype=torch.bfloat16, compute=torch.float64) -> torch.Tensor:
+    """The block-scaled product in ``compute``: each float8 operand times its blocks' scales, then multiplied."""
+    a = qa.to(compute) * _expand_scales(sa, *qa.shape).to(compute)
+    b = qb.to(compute) * _expand_scales(sb, *qb.shape).to(compute)
+    return (a @ b.T).to(out_dtype)
+
+
 def scaled_mm_ref(qa, qb, sa, sb, bias=None, out_dtype=torch.bfloat16, compute=torch.float64) -> torch.Tensor:
     """(qa @ qb^T) * sa[:, None] * sb[None, :] (+ bias) in ``compute`` (float64: the truth), out in ``out_dtype``."""
     y = (qa.to(compute) @ qb.to(compute).T) * sa.to(compute)[:, None] * sb.to(compute)[None, :]
@@ -89,6 +133,7 @@ def scaled_mm_ref(qa, qb, sa, sb, bias=None, out_dtype=torch.bfloat16, compute=t
 # --------------------------------------------------------------------------------------------------
 # Configs
 # --------------------------------------------------------------------------------------------------
+BLOCK = 128  # the columns (and, for weights, rows) of a scale block: DeepSeek-V3's 1 x 128 and 128 x 128
 QUANT_BLOCK = 1024  # columns a step of the quantizer (two passes over a row: its absolute maximum, then the cast)
 BOTH_BLOCK_R, BOTH_BLOCK_C = 64, 128  # the two-way quantizer's tile: its transposed store goes 64 rows a line
 
@@ -99,6 +144,17 @@ def _mm_config(M: int, N: int) -> dict:
     if is_interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
+
+
+def _blocks_config() -> dict:
+    """The block-scaled product: K steps of exactly one scale block (128); 128 x 128 output tiles (a weight's
+    128-row block under each column tile), three stages (the scales' loads ride beside the tiles')."""
+    if is_interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=BLOCK, GROUP_M=2, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=BLOCK, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+RECIPES = ("rowwise", "blockwise")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,6 +251,91 @@ def _cast_both_kernel(
 
 
 @triton.jit
+def _quantize_blocks_kernel(
+    x_ptr,  # (R, C) input, unit stride along C
+    q_ptr,  # (R, C) float8 output, contiguous (float32 when HOST_CAST)
+    scale_ptr,  # (R, C / 128) float32 output when PER_ROW, else (R / 128, C / 128): one per block
+    R, C, sxr,  # rows, columns, x's row stride
+    n_cblocks,  # scale columns: ceil(C / 128)
+    FP8_MAX: tl.constexpr,
+    PER_ROW: tl.constexpr,  # 1 x 128 blocks (activations, gradients); else 128 x 128 (weights)
+    TILE_R: tl.constexpr, BLOCK_C: tl.constexpr,  # rows a program (128 for weights: one block), 128 columns
+    HOST_CAST: tl.constexpr,  # as in _quantize_rows_kernel
+):  # fmt: skip
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * TILE_R + tl.arange(0, TILE_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if PER_ROW:  # a scale per row of the tile
+        top = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(top > 0, top / FP8_MAX, 1.0)
+        tl.store(scale_ptr + rows.to(tl.int64) * n_cblocks + pid_c, scale, mask=rows < R)
+        q = x / scale[:, None]
+    else:  # one scale for the tile
+        top = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        scale = tl.where(top > 0, top / FP8_MAX, 1.0)
+        tl.store(scale_ptr + pid_r * n_cblocks + pid_c, scale)
+        q = x / scale
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    out = q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :]
+    if HOST_CAST:
+        tl.store(out, q, mask=mask)
+    else:
+        tl.store(out, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scaled_mm_blocks_kernel(
+    a_ptr,  # (M, K) float8, unit stride along K
+    b_ptr,  # (N, K) float8, unit stride along K
+    sa_ptr,  # (M, KB) float32: a's scale per row and 128 columns of K
+    sb_ptr,  # (N, KB) float32 when B_PER_ROW, else (ceil(N / 128), KB): per 128 x 128 block
+    y_ptr,  # (M, N) output, contiguous
+    M, N, K,  # the product's sizes
+    sam, sbn,  # row strides of a and b
+    KB,  # scale columns: ceil(K / 128)
+    B_PER_ROW: tl.constexpr,  # b's scales per row (a gradient or an activation) or per tile (a weight)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # output tile (BLOCK_N 128 when not B_PER_ROW: one b block)
+    BLOCK_K: tl.constexpr,  # 128: a scale block a step
+    GROUP_M: tl.constexpr,  # as in _scaled_mm_kernel
+    DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter)
+):  # fmt: skip
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    a_rows = a_ptr + offs_m[:, None].to(tl.int64) * sam
+    b_cols = b_ptr + offs_n[None, :].to(tl.int64) * sbn
+    sa_rows = sa_ptr + offs_m.to(tl.int64) * KB
+    if B_PER_ROW:
+        sb_rows = sb_ptr + offs_n.to(tl.int64) * KB
+    else:
+        sb_rows = sb_ptr + (offs_n // BLOCK_K).to(tl.int64) * KB  # BLOCK_N <= 128 tiles sit in one block
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_FP32:
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:  # a fresh partial a step: scaled, then added in float32
+            part = tl.dot(a, b)
+        sa = tl.load(sa_rows + kb, mask=m_mask, other=0.0)
+        sb = tl.load(sb_rows + kb, mask=n_mask, other=0.0)
+        acc += part * sa[:, None] * sb[None, :]
+    out = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _scaled_mm_kernel(
     a_ptr,  # (M, K) float8, unit stride along K
     b_ptr,  # (N, K) float8, unit stride along K
@@ -282,6 +423,37 @@ def _quantize_both(x: torch.Tensor, dtype: torch.dtype):
     return q.to(dtype), scale, qt.to(dtype), scale_t
 
 
+def _quantize_blocks(x: torch.Tensor, block_rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    R, C = x.shape
+    n_cblocks = triton.cdiv(C, BLOCK)
+    host_cast = is_interpreting()
+    q = torch.empty((R, C), device=x.device, dtype=torch.float32 if host_cast else dtype)
+    scales = torch.ones((R if block_rows == 1 else triton.cdiv(R, BLOCK), n_cblocks), device=x.device,
+                        dtype=torch.float32)  # fmt: skip
+    if R and C:
+        tile_r = BLOCK if block_rows == BLOCK else (16 if host_cast else 32)  # a weight's tile is its block
+        _quantize_blocks_kernel[(triton.cdiv(R, tile_r), n_cblocks)](
+            x, q, scales, R, C, x.stride(0), n_cblocks, FP8_MAX=_fp8_max(dtype), PER_ROW=block_rows == 1,
+            TILE_R=tile_r, BLOCK_C=BLOCK, HOST_CAST=host_cast, num_warps=8 if tile_r == BLOCK else 4,
+        )  # fmt: skip
+    return q.to(dtype), scales
+
+
+def _scaled_mm_blocks(qa, qb, sa, sb, out_dtype: torch.dtype) -> torch.Tensor:
+    M, K = qa.shape
+    N = qb.shape[0]
+    y = torch.empty((M, N), device=qa.device, dtype=out_dtype)
+    if M and N:
+        c = _blocks_config()
+        grid = (triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]),)
+        _scaled_mm_blocks_kernel[grid](
+            qa, qb, sa, sb, y, M, N, K, qa.stride(0), qb.stride(0), triton.cdiv(K, BLOCK),
+            B_PER_ROW=sb.shape[0] == N, DOT_FP32=is_interpreting(), **c,
+        )  # fmt: skip
+    return y
+
+
 def _scaled_mm(qa, qb, sa, sb, bias, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     M, K = qa.shape
     N = qb.shape[0]
@@ -337,11 +509,43 @@ def _(qa, qb, sa, sb, bias, out_dtype, fast_accum):
     return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=out_dtype)
 
 
+@torch.library.custom_op("kernel_lib::float8_quantize_blocks", mutates_args=())
+def _quantize_blocks_op(x: torch.Tensor, block_rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_blocks(x, block_rows, dtype)
+
+
+@_quantize_blocks_op.register_fake
+def _(x, block_rows, dtype):
+    R, C = x.shape
+    rows = R if block_rows == 1 else -(-R // BLOCK)
+    return x.new_empty((R, C), dtype=dtype), x.new_empty((rows, -(-C // BLOCK)), dtype=torch.float32)
+
+
+@torch.library.custom_op("kernel_lib::float8_scaled_mm_blocks", mutates_args=())
+def _scaled_mm_blocks_op(
+    qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:  # fmt: skip
+    return _scaled_mm_blocks(qa, qb, sa, sb, out_dtype)
+
+
+@_scaled_mm_blocks_op.register_fake
+def _(qa, qb, sa, sb, out_dtype):
+    return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=out_dtype)
+
+
 # --------------------------------------------------------------------------------------------------
 # Autograd: the three products of a linear layer, each on operands quantized along its K
 # --------------------------------------------------------------------------------------------------
 def _q(x, dtype):
     return launch_or_op(_quantize, _quantize_op)(x, dtype)
+
+
+def _qb(x, block_rows, dtype):
+    return launch_or_op(_quantize_blocks, _quantize_blocks_op)(x, block_rows, dtype)
+
+
+def _mmb(qa, qb, sa, sb, out_dtype):
+    return launch_or_op(_scaled_mm_blocks, _scaled_mm_blocks_op)(qa, qb, sa, sb, out_dtype)
 
 
 def _q2(x, dtype):
@@ -354,10 +558,22 @@ def _mm(qa, qb, sa, sb, bias, out_dtype, fast_accum=False):
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, grad_dtype):
-        ctx.grad_dtype, ctx.has_bias, ctx.dtypes = grad_dtype, bias is not None, (x.dtype, weight.dtype)
+    def forward(ctx, x, weight, bias, grad_dtype, recipe):
+        ctx.grad_dtype, ctx.has_bias, ctx.dtypes, ctx.recipe = (
+            grad_dtype,
+            bias is not None,
+            (x.dtype, weight.dtype),
+            recipe,
+        )
         e4m3 = torch.float8_e4m3fn
-        # each operand quantized both ways when the backward needs its transposed copy (dx needs W^T, dW needs x^T)
+        if recipe == "blockwise":  # x in 1 x 128 blocks, W in 128 x 128: W's float8 copy serves the dgrad too
+            qx, sx = _qb(x, 1, e4m3)
+            qw, sw = _qb(weight, BLOCK, e4m3)
+            ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, qw, sw)
+            y = _mmb(qx, qw, sx, sw, x.dtype)
+            return y if bias is None else y + bias
+        # rowwise: each operand quantized both ways when the backward needs its transposed copy (dx needs W^T,
+        # dW needs x^T)
         if ctx.needs_input_grad[1]:
             qx, sx, qxt, sxt = _q2(x, e4m3)
         else:
@@ -371,22 +587,32 @@ class _Float8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        qxt, sxt, qwt, swt = ctx.saved_tensors
-        dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_dx and need_dw:  # dy by rows (dx = dy W) and by columns (dW = dy^T x) from one two-way pass
-            qdy, sdy, qdyt, sdyt = _q2(dy, ctx.grad_dtype)
-        elif need_dx:
-            qdy, sdy = _q(dy, ctx.grad_dtype)
-        elif need_dw:
-            qdyt, sdyt = _q(dy.t(), ctx.grad_dtype)
-        if need_dx:  # dx = dy W: dy per token, W^T per input feature
-            dx = _mm(qdy, qwt, sdy, swt, None, ctx.dtypes[0])
-        if need_dw:  # dW = dy^T x: dy^T per output feature, x^T per input feature
-            dw = _mm(qdyt, qxt, sdyt, sxt, None, ctx.dtypes[1])
+        dx = dw = db = None
+        if ctx.recipe == "blockwise":
+            x, qw, sw = ctx.saved_tensors
+            if need_dx:  # dx = dy W: dy in 1 x 128 blocks along N; W^T's 128 x 128 grid is W's, transposed
+                qdy, sdy = _qb(dy, 1, ctx.grad_dtype)
+                dx = _mmb(qdy, qw.t().contiguous(), sdy, sw.t().contiguous(), ctx.dtypes[0])
+            if need_dw:  # dW = dy^T x: both in 1 x 128 blocks along the tokens
+                qdyt, sdyt = _qb(dy.t(), 1, ctx.grad_dtype)
+                qxt, sxt = _qb(x.t(), 1, torch.float8_e4m3fn)
+                dw = _mmb(qdyt, qxt, sdyt, sxt, ctx.dtypes[1])
+        else:
+            qxt, sxt, qwt, swt = ctx.saved_tensors
+            if need_dx and need_dw:  # dy by rows (dx = dy W) and by columns (dW = dy^T x) from one two-way pass
+                qdy, sdy, qdyt, sdyt = _q2(dy, ctx.grad_dtype)
+            elif need_dx:
+                qdy, sdy = _q(dy, ctx.grad_dtype)
+            elif need_dw:
+                qdyt, sdyt = _q(dy.t(), ctx.grad_dtype)
+            if need_dx:  # dx = dy W: dy per token, W^T per input feature
+                dx = _mm(qdy, qwt, sdy, swt, None, ctx.dtypes[0])
+            if need_dw:  # dW = dy^T x: dy^T per output feature, x^T per input feature
+                dw = _mm(qdyt, qxt, sdyt, sxt, None, ctx.dtypes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(dim=0, dtype=torch.float32).to(dy.dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -444,20 +670,62 @@ def scaled_mm(qa, qb, sa, sb, bias=None, out_dtype: torch.dtype = torch.bfloat16
     return _mm(qa, qb, sa, sb, bias, out_dtype, bool(fast_accum))
 
 
-def float8_linear_ref(x, weight, bias=None, grad_dtype=torch.float8_e4m3fn):
+def quantize_float8_blocks(x: torch.Tensor, block_rows: int = 1, dtype: torch.dtype = torch.float8_e4m3fn):
+    """(q (R, C) float8, scales float32): a scale per ``block_rows`` x 128 block of x (1: per row and 128 columns,
+    shape (R, ceil(C / 128)); 128: per 128 x 128 tile, shape (ceil(R / 128), ceil(C / 128))). Any strides."""
+    check_tensor(x, "x", ndim=2)
+    if block_rows not in (1, BLOCK):
+        raise ValueError(f"block_rows must be 1 (1 x 128 blocks) or {BLOCK} (128 x 128), got {block_rows}")
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype}")
+    if not use_triton(x, op="quantize_float8_blocks"):
+        return quantize_float8_blocks_ref(x, block_rows, dtype)
+    return _qb(x, block_rows, dtype)
+
+
+def scaled_mm_blocks(qa, qb, sa, sb, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The block-scaled product (the module docstring): qa (M, K) float8 with sa (M, ceil(K / 128)), qb (N, K)
+    float8 with sb (N, ceil(K / 128)) per row or (ceil(N / 128), ceil(K / 128)) per tile, as
+    :func:`quantize_float8_blocks` returns them; a unit stride along K. No autograd."""
+    for name, t in (("qa", qa), ("qb", qb)):
+        check_tensor(t, name, dtypes=FP8_DTYPES, ndim=2)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a unit stride along K, got strides {t.stride()}")
+    check_tensor(sa, "sa", dtypes=(torch.float32,), ndim=2)
+    check_tensor(sb, "sb", dtypes=(torch.float32,), ndim=2)
+    (M, K), N = qa.shape, qb.shape[0]
+    KB = -(-K // BLOCK)
+    if qb.shape[1] != K or tuple(sa.shape) != (M, KB) or tuple(sb.shape) not in ((N, KB), (-(-N // BLOCK), KB)):
+        raise ValueError(f"qa {tuple(qa.shape)}, qb {tuple(qb.shape)}, sa {tuple(sa.shape)} and sb "
+                         f"{tuple(sb.shape)}: want (M, K) x (N, K), sa (M, ceil(K/128)), sb (N or ceil(N/128), "
+                         f"ceil(K/128))")  # fmt: skip
+    check_same_device(qa=qa, qb=qb, sa=sa, sb=sb)
+    _check_float8_device(qa)
+    if not use_triton(qa, op="scaled_mm_blocks"):
+        return scaled_mm_blocks_ref(qa, qb, sa, sb, out_dtype, compute=torch.float32)
+    return _mmb(qa, qb, sa, sb, out_dtype)
+
+
+def float8_linear_ref(x, weight, bias=None, grad_dtype=torch.float8_e4m3fn, recipe="rowwise"):
     """The forward of :func:`float8_linear` in plain PyTorch, float64 arithmetic on the same float8 operands."""
-    qx, sx = quantize_float8_ref(x.reshape(-1, x.shape[-1]), torch.float8_e4m3fn)
+    rows = x.reshape(-1, x.shape[-1])
+    if recipe == "blockwise":
+        (qx, sx), (qw, sw) = quantize_float8_blocks_ref(rows, 1), quantize_float8_blocks_ref(weight, BLOCK)
+        y = scaled_mm_blocks_ref(qx, qw, sx, sw, torch.float64) + (0 if bias is None else bias.double())
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    qx, sx = quantize_float8_ref(rows, torch.float8_e4m3fn)
     qw, sw = quantize_float8_ref(weight, torch.float8_e4m3fn)
     return scaled_mm_ref(qx, qw, sx, sw, bias, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def float8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-    grad_dtype: torch.dtype = torch.float8_e4m3fn,
+    grad_dtype: torch.dtype = torch.float8_e4m3fn, recipe: str = "rowwise",
 ) -> torch.Tensor:  # fmt: skip
     """``F.linear(x, weight, bias)`` with its three products in float8 (the module docstring): x (..., K) and
     weight (N, K) in float16, bfloat16 or float32, one dtype; returns x's dtype. Differentiable in x, weight and
-    bias; ``grad_dtype`` is the gradient's float8 format."""
+    bias; ``grad_dtype`` is the gradient's float8 format; ``recipe`` "rowwise" (a scale a row) or "blockwise"
+    (1 x 128 blocks of activations and gradients, 128 x 128 of the weight)."""
     check_tensor(x, "x", min_ndim=1)
     check_tensor(weight, "weight", ndim=2)
     if bias is not None:
@@ -470,53 +738,72 @@ def float8_linear(
         raise ValueError(f"x has {x.shape[-1]} features, the weight {weight.shape[1]}")
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"grad_dtype must be one of {FP8_DTYPES}, got {grad_dtype}")
+    _checked_recipe(recipe)
     _check_float8_device(x)
     rows = x.reshape(-1, x.shape[-1])
     if use_triton(x, op="float8_linear"):
-        y = _Float8Linear.apply(rows, weight, bias, grad_dtype)
+        y = _Float8Linear.apply(rows, weight, bias, grad_dtype, recipe)
     else:  # no Triton (CPU without the interpreter): the same forward in PyTorch, the backward not quantized
-        y = torch.nn.functional.linear(_fake_quantize(rows), _fake_quantize(weight), bias)
+        y = torch.nn.functional.linear(_fake_quantize(rows, recipe, 1), _fake_quantize(weight, recipe, BLOCK), bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _fake_quantize(t: torch.Tensor) -> torch.Tensor:
-    """t rounded through e4m3 row by row in the forward, the identity for gradients (straight through)."""
-    q, scale = quantize_float8_ref(t)
-    return t + ((q.float() * scale[:, None]).to(t.dtype) - t).detach()
+def _fake_quantize(t: torch.Tensor, recipe: str = "rowwise", block_rows: int = 1) -> torch.Tensor:
+    """t rounded through e4m3 (row by row, or by blocks) in the forward, the identity for gradients."""
+    if recipe == "blockwise":
+        q, scales = quantize_float8_blocks_ref(t, block_rows)
+        rounded = q.float() * _expand_scales(scales, *t.shape)
+    else:
+        q, scale = quantize_float8_ref(t)
+        rounded = q.float() * scale[:, None]
+    return t + (rounded.to(t.dtype) - t).detach()
 
 
 class Float8Linear(torch.nn.Linear):
-    """``nn.Linear`` whose forward and backward products run in float8 (:func:`float8_linear`); the weight stays
-    in its dtype (the optimizer's copy) and is quantized at every call, as dynamic scaling does."""
+    """``nn.Linear`` whose forward and backward products run in float8 (:func:`float8_linear`, with its
+    ``grad_dtype`` and ``recipe``); the weight stays in its dtype (the optimizer's copy) and is quantized at every
+    call, as dynamic scaling does."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
-                 grad_dtype: torch.dtype = torch.float8_e4m3fn):  # fmt: skip
+                 grad_dtype: torch.dtype = torch.float8_e4m3fn, recipe: str = "rowwise"):  # fmt: skip
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.grad_dtype = grad_dtype
+        self.grad_dtype, self.recipe = grad_dtype, _checked_recipe(recipe)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, grad_dtype: torch.dtype = torch.float8_e4m3fn) -> "Float8Linear":
+    def from_linear(cls, linear: torch.nn.Linear, grad_dtype: torch.dtype = torch.float8_e4m3fn,
+                    recipe: str = "rowwise") -> "Float8Linear":  # fmt: skip
         """A Float8Linear holding ``linear``'s own parameters (shared, not copied)."""
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
         new.in_features, new.out_features, new.grad_dtype = linear.in_features, linear.out_features, grad_dtype
+        new.recipe = _checked_recipe(recipe)
         new.weight, new.bias = linear.weight, linear.bias
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return float8_linear(x, self.weight, self.bias, self.grad_dtype)
+        return float8_linear(x, self.weight, self.bias, self.grad_dtype, self.recipe)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", float8 (grad {str(self.grad_dtype).removeprefix('torch.')})"
+        grad = str(self.grad_dtype).removeprefix("torch.")
+        return super().extra_repr() + f", float8 {self.recipe} (grad {grad})"
 
 
-def convert_to_float8(model: torch.nn.Module, skip=("lm_head", "head"), grad_dtype=torch.float8_e4m3fn):
-    """Swap every ``nn.Linear`` of ``model`` in place for a :class:`Float8Linear` sharing its parameters, except
-    modules whose qualified name ends with an entry of ``skip`` (the output projection by default: its logits are
-    the loss's input, where float8's error shows first). Returns the model."""
+def _checked_recipe(recipe: str) -> str:
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    return recipe
+
+
+def convert_to_float8(model: torch.nn.Module, skip=("lm_head", "head"), grad_dtype=torch.float8_e4m3fn,
+                      recipe: str = "rowwise"):  # fmt: skip
+    """Swap every ``nn.Linear`` of ``model`` in place for a :class:`Float8Linear` sharing its parameters (with
+    ``grad_dtype`` and ``recipe``), except modules whose qualified name ends with an entry of ``skip`` (the output
+    projection by default: its logits are the loss's input, where float8's error shows first). Returns the
+    model."""
+    _checked_recipe(recipe)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is torch.nn.Linear and not any(full.endswith(s) for s in skip):
-                setattr(module, child_name, Float8Linear.from_linear(child, grad_dtype))
+                setattr(module, child_name, Float8Linear.from_linear(child, grad_dtype, recipe))
     return model
