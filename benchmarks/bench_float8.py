@@ -1,15 +1,15 @@
 """A linear layer's training step (forward and both backward products) in float8 against bf16, at Llama-3-8B shapes.
 
-kernel_lib's ``float8_linear`` (rowwise e4m3 scales, Triton products), bf16 ``F.linear`` (cuBLAS), and when it
-imports, torchao's ``Float8Linear`` with its rowwise recipe, compiled (``torch.compile``, as torchao runs it). 8,192
-tokens through the 8B model's q (4096 -> 4096), gate (4096 -> 14,336) and down (14,336 -> 4096) projections: forward
-and backward of x and the weight, 6 M N K FLOPs a step. Each is checked against float64 on the same bf16 inputs
-before and after timing: the float8 formats within 5% relative error (e4m3's step is 2^-3 of a value; errors
-average out over K), bf16 within 1%. Times: ``kernel_lib.bench.time_fn`` with L2 wiped. TFLOP/s against the bf16
-matmul ceiling measured in the same run (float8's tensor-core peak is twice bf16's on Hopper). First, the forward
-product alone at each shape: bf16 ``torch.mm``, kernel_lib's ``scaled_mm`` and ``torch._scaled_mm`` (cuBLAS,
-rowwise scales), each with and without fast accumulation, on the same float8 operands, to split a step's time
-between products and casts. Writes <out>/float8.csv and prints a table.
+kernel_lib's ``float8_linear`` (rowwise e4m3 scales, and the blockwise recipe; Triton products), bf16 ``F.linear``
+(cuBLAS), and when it imports, torchao's ``Float8Linear`` with its rowwise recipe, compiled (``torch.compile``, as
+torchao runs it). 8,192 tokens through the 8B model's q (4096 -> 4096), gate (4096 -> 14,336) and down (14,336 ->
+4096) projections: forward and backward of x and the weight, 6 M N K FLOPs a step. Each is checked against float64
+on the same bf16 inputs before and after timing: the float8 formats within 5% relative error (e4m3's step is 2^-3 of
+a value; errors average out over K), bf16 within 1%. Times: ``kernel_lib.bench.time_fn`` with L2 wiped. TFLOP/s
+against the bf16 matmul ceiling measured in the same run (float8's tensor-core peak is twice bf16's on Hopper).
+First, the forward product alone at each shape: bf16 ``torch.mm``, kernel_lib's ``scaled_mm`` and
+``torch._scaled_mm`` (cuBLAS, rowwise scales), each with and without fast accumulation, on the same float8 operands,
+to split a step's time between products and casts. Writes <out>/float8.csv and prints a table.
 """
 
 import argparse
@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from kernel_lib import bench, float8_linear
-from kernel_lib.ops.float8 import quantize_float8, scaled_mm
+from kernel_lib.ops.float8 import (
+    quantize_float8,
+    quantize_float8_blocks,
+    scaled_mm,
+    scaled_mm_blocks,
+    scaled_mm_blocks_ref,
+)
 
 SHAPES = {"q 4096 -> 4096": (4096, 4096), "gate 4096 -> 14336": (4096, 14336), "down 14336 -> 4096": (14336, 4096)}
 TOKENS = 8192
@@ -61,10 +67,14 @@ def gemm_alone(M: int, N: int, K: int) -> list[dict]:
     qa, sa = quantize_float8(a)
     qb, sb = quantize_float8(b)
     want = (qa.double() * sa.double()[:, None]) @ (qb.double() * sb.double()[:, None]).T  # the float8 product
+    qa1, sa1 = quantize_float8_blocks(a, 1)  # DeepSeek-V3's blocks: 1 x 128 for a, 128 x 128 for b
+    qb128, sb128 = quantize_float8_blocks(b, 128)
+    want_blocks = scaled_mm_blocks_ref(qa1, qb128, sa1, sb128, torch.float64)
     impls = {
         "bf16 torch.mm": (lambda: a @ b.T, (a.double() @ b.double().T), 0.01),
         "kernel_lib scaled_mm": (lambda: scaled_mm(qa, qb, sa, sb), want, 0.01),
         "kernel_lib scaled_mm fast": (lambda: scaled_mm(qa, qb, sa, sb, fast_accum=True), want, 0.01),
+        "kernel_lib scaled_mm_blocks": (lambda: scaled_mm_blocks(qa1, qb128, sa1, sb128), want_blocks, 0.01),
     }
     if hasattr(torch, "_scaled_mm"):
         for fast in (False, True):
@@ -118,7 +128,11 @@ def main() -> int:
         dy = torch.randn(M, N, device="cuda").bfloat16()
         xd, wd, dyd = x.detach().double(), w.detach().double(), dy.double()
         want = (xd @ wd.T, dyd @ wd, dyd.T @ xd)
-        impls = {"bf16 F.linear": (F.linear, 0.01), "kernel_lib float8_linear": (float8_linear, 0.05)}
+        impls = {
+            "bf16 F.linear": (F.linear, 0.01),
+            "kernel_lib float8_linear": (float8_linear, 0.05),
+            "kernel_lib float8_linear blockwise": (lambda x_, w_: float8_linear(x_, w_, recipe="blockwise"), 0.05),
+        }
         ao = torchao_layer(w.detach())
         if ao is not None:
             impls["torchao Float8Linear (compiled)"] = (lambda x_, w_, m=ao: m(x_), 0.05)
