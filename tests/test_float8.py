@@ -65,18 +65,27 @@ def test_scaled_mm_against_float64(device, out_dtype, M, N, K, bias, fast_accum)
     torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
-def _cublas_error(qa, qb, sa, sb, bias, want, fast_accum=False) -> float:
-    """PyTorch's own accumulation error on this float8 product relative to the largest output: ``torch._scaled_mm``
-    (cuBLAS) on the same operands with unit scales and a float32 output, the row scales and bias applied after in
-    float64; on a GPU that has it, else 0 (the CPU path accumulates in float32)."""
-    if qa.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        return 0.0
+def _cublas_product(qa, qb, fast_accum=False) -> torch.Tensor:
+    """qa @ qb^T by ``torch._scaled_mm`` (cuBLAS) with unit scales and a float32 output, in float64: PyTorch's own
+    float8 accumulation. cuBLAS takes sizes that are multiples of 16: zeros pad the operands (zeros along K add
+    nothing)."""
     M, N = qa.shape[0], qb.shape[0]
     one = torch.ones((), device=qa.device)
-    # cuBLAS takes sizes that are multiples of 16: zeros pad the operands (zeros along K add nothing)
     qa, qb = (F.pad(t.view(torch.uint8), (0, -t.shape[1] % 16, 0, -t.shape[0] % 16)).view(t.dtype) for t in (qa, qb))
-    y = torch._scaled_mm(qa, qb.t(), one, one, out_dtype=torch.float32, use_fast_accum=fast_accum)[:M, :N]
-    y = y.double() * sa.double()[:, None] * sb.double()[None, :] + (0 if bias is None else bias.double())
+    return torch._scaled_mm(qa, qb.t(), one, one, out_dtype=torch.float32, use_fast_accum=fast_accum)[:M, :N].double()
+
+
+def _has_cublas_float8(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and hasattr(torch, "_scaled_mm")
+
+
+def _cublas_error(qa, qb, sa, sb, bias, want, fast_accum=False) -> float:
+    """PyTorch's own accumulation error on this float8 product relative to the largest output (the row scales and
+    bias applied after, in float64), on a GPU that has it; else 0 (the CPU path accumulates in float32)."""
+    if not _has_cublas_float8(qa):
+        return 0.0
+    y = _cublas_product(qa, qb, fast_accum) * sa.double()[:, None] * sb.double()[None, :]
+    y = y + (0 if bias is None else bias.double())
     return ((y - want).abs().max() / want.abs().max()).item()
 
 
@@ -276,28 +285,22 @@ def test_scaled_mm_blocks_against_float64(device, M, N, K, b_rows):
     qb, sb = quantize_float8_blocks_ref(torch.randn(N, K, device=device), b_rows)
     y = scaled_mm_blocks(qa, qb, sa, sb, torch.float32)
     want = scaled_mm_blocks_ref(qa, qb, sa, sb, torch.float64)
-    tol = 1e-5 + (2 * _cublas_error_blocks(qa, qb, sa, sb, want) if device == "cuda" else 0.0)
+    tol = 1e-5 + 2 * _cublas_error_blocks(qa, qb, sa, sb, want)  # 2x cuBLAS's own, 128 deep a step
     torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
 def _cublas_error_blocks(qa, qb, sa, sb, want) -> float:
-    """cuBLAS's accumulation error on the block-scaled product: each 128-deep step through ``torch._scaled_mm``
-    (unit scales, float32 out), scaled and summed in float64, relative to the largest output."""
+    """cuBLAS's accumulation error on the block-scaled product: each 128-deep step through ``torch._scaled_mm``,
+    scaled and summed in float64, relative to the largest output; 0 without a GPU."""
+    if not _has_cublas_float8(qa):
+        return 0.0
     total = torch.zeros_like(want)
     for kb in range(sa.shape[1]):
         part = slice(kb * 128, (kb + 1) * 128)
-        qa_k, qb_k = qa[:, part].contiguous(), qb[:, part].contiguous()
-        sa_k = sa[:, kb].double()[:, None]
-        sb_k = f8._expand_scales(sb[:, kb : kb + 1], qb.shape[0], 1).double()[:, 0][None, :]
-        total += _cublas_error_part(qa_k, qb_k) * sa_k * sb_k
+        sb_k = f8._expand_scales(sb[:, kb : kb + 1], qb.shape[0], 1).double()[:, 0]
+        product = _cublas_product(qa[:, part].contiguous(), qb[:, part].contiguous())
+        total += product * sa[:, kb].double()[:, None] * sb_k[None, :]
     return ((total - want).abs().max() / want.abs().max()).item()
-
-
-def _cublas_error_part(qa, qb) -> torch.Tensor:
-    M, N = qa.shape[0], qb.shape[0]
-    one = torch.ones((), device=qa.device)
-    qa, qb = (F.pad(t.view(torch.uint8), (0, -t.shape[1] % 16, 0, -t.shape[0] % 16)).view(t.dtype) for t in (qa, qb))
-    return torch._scaled_mm(qa, qb.t(), one, one, out_dtype=torch.float32)[:M, :N].double()
 
 
 def _recipe64_blocks(x, w, b, dy, grad_dtype):

@@ -286,6 +286,20 @@ def _quantize_blocks_kernel(
 
 
 @triton.jit
+def _output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's rows and columns of the (M, N) output: programs walk GROUP_M row tiles column by column, so
+    neighbours share b's tiles in L2 (grouped ordering)."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def _scaled_mm_blocks_kernel(
     a_ptr,  # (M, K) float8, unit stride along K
     b_ptr,  # (N, K) float8, unit stride along K
@@ -301,15 +315,7 @@ def _scaled_mm_blocks_kernel(
     GROUP_M: tl.constexpr,  # as in _scaled_mm_kernel
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter)
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * tiles_n
-    first_m = (pid // in_group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_m
-    pid_n = (pid % in_group) // group_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = _output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m_mask, n_mask = offs_m < M, offs_n < N
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * sam
     b_cols = b_ptr + offs_n[None, :].to(tl.int64) * sbn
@@ -351,15 +357,7 @@ def _scaled_mm_kernel(
     GROUP_M: tl.constexpr,  # row tiles a group: programs of a group walk its columns together (L2 reuse of b)
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter)
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * tiles_n
-    first_m = (pid // in_group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_m
-    pid_n = (pid % in_group) // group_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = _output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m_mask, n_mask = offs_m < M, offs_n < N
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * sam
     b_cols = b_ptr + offs_n[None, :].to(tl.int64) * sbn  # b^T's tile (BLOCK_K, BLOCK_N) read in place, K-major
@@ -648,16 +646,21 @@ def quantize_float8_both(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3
     return _q2(x, dtype)
 
 
-def scaled_mm(qa, qb, sa, sb, bias=None, out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False):
-    """(qa @ qb^T) * sa[:, None] * sb[None, :] (+ bias) in ``out_dtype``: qa (M, K) and qb (N, K) float8 with a unit
-    stride along K (what :func:`quantize_float8` returns), sa (M,) and sb (N,) float32. ``fast_accum``: accumulate
-    all of K in Hopper's narrow float8 accumulator (faster, less exact; see the module docstring). No autograd."""
+def _check_operands(qa, qb, sa, sb, scale_ndim: int) -> None:
+    """Float8 operands with a unit stride along K, float32 scales of ``scale_ndim`` dimensions."""
     for name, t in (("qa", qa), ("qb", qb)):
         check_tensor(t, name, dtypes=FP8_DTYPES, ndim=2)
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a unit stride along K, got strides {t.stride()}")
-    check_tensor(sa, "sa", dtypes=(torch.float32,), ndim=1)
-    check_tensor(sb, "sb", dtypes=(torch.float32,), ndim=1)
+    check_tensor(sa, "sa", dtypes=(torch.float32,), ndim=scale_ndim)
+    check_tensor(sb, "sb", dtypes=(torch.float32,), ndim=scale_ndim)
+
+
+def scaled_mm(qa, qb, sa, sb, bias=None, out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False):
+    """(qa @ qb^T) * sa[:, None] * sb[None, :] (+ bias) in ``out_dtype``: qa (M, K) and qb (N, K) float8 with a unit
+    stride along K (what :func:`quantize_float8` returns), sa (M,) and sb (N,) float32. ``fast_accum``: accumulate
+    all of K in Hopper's narrow float8 accumulator (faster, less exact; see the module docstring). No autograd."""
+    _check_operands(qa, qb, sa, sb, scale_ndim=1)
     if qa.shape[1] != qb.shape[1] or sa.shape[0] != qa.shape[0] or sb.shape[0] != qb.shape[0]:
         raise ValueError(f"qa {tuple(qa.shape)}, qb {tuple(qb.shape)}, sa {tuple(sa.shape)} and sb "
                          f"{tuple(sb.shape)} do not make (M, K) x (N, K) with a scale a row")  # fmt: skip
@@ -687,12 +690,7 @@ def scaled_mm_blocks(qa, qb, sa, sb, out_dtype: torch.dtype = torch.bfloat16) ->
     """The block-scaled product (the module docstring): qa (M, K) float8 with sa (M, ceil(K / 128)), qb (N, K)
     float8 with sb (N, ceil(K / 128)) per row or (ceil(N / 128), ceil(K / 128)) per tile, as
     :func:`quantize_float8_blocks` returns them; a unit stride along K. No autograd."""
-    for name, t in (("qa", qa), ("qb", qb)):
-        check_tensor(t, name, dtypes=FP8_DTYPES, ndim=2)
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a unit stride along K, got strides {t.stride()}")
-    check_tensor(sa, "sa", dtypes=(torch.float32,), ndim=2)
-    check_tensor(sb, "sb", dtypes=(torch.float32,), ndim=2)
+    _check_operands(qa, qb, sa, sb, scale_ndim=2)
     (M, K), N = qa.shape, qb.shape[0]
     KB = -(-K // BLOCK)
     if qb.shape[1] != K or tuple(sa.shape) != (M, KB) or tuple(sb.shape) not in ((N, KB), (-(-N // BLOCK), KB)):
