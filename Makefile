@@ -175,8 +175,12 @@ endif
 # The GPU suite runs GPU_WORKERS pytest processes on the one GPU (Triton's and nvcc's compiles are CPU work;
 # tests go to workers one at a time, those of one xdist_group together: --dist loadgroup). Its
 # notebook pass runs every cell on the GPU at the CPU's sizes (KERNEL_COURSE_SIZES=small, see bench.full_sizes):
-# it proves they work; `make execute` stores the full runs.
-GPU_WORKERS ?= 6
+# it proves they work; `make execute` stores the full runs. GPU_WORKERS: the cores less two, at most one a
+# 8 GiB of GPU memory (each process holds a CUDA context and its tests' tensors), between 2 and 14; evaluated
+# only when test-gpu runs. 14 on an H200 with 16 cores: the suite is mostly Triton compiles.
+GPU_WORKERS ?= $(shell $(PYTHON) -c "import os, torch; cores = os.cpu_count() or 8; \
+  gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 16; \
+  print(max(2, min(cores - 2, int(gib // 8), 14)))")
 test-gpu: check-gpu jupyter-from-wheelhouse ## GPU suite: pytest (GPU tests too) and nbval over every notebook at small sizes, in parallel
 	$(RUN) $(PYTHON) -m pytest -n $(GPU_WORKERS) --dist loadgroup tests
 	$(RUN) KERNEL_COURSE_SIZES=small $(PYTHON) -m pytest -n $(GPU_WORKERS) --dist loadfile $(NBVAL) $(NOTEBOOKS)
