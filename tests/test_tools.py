@@ -1,5 +1,6 @@
 """tools/: notebook execution with recorded metadata, and the table-of-contents check of the built book."""
 
+import json
 import os
 import sys
 
@@ -87,3 +88,58 @@ def test_check_book_finds_missing_pages(tmp_path, monkeypatch, capsys):
     assert check_book.main() == 1
     out = capsys.readouterr().out
     assert "book/absent: no page" in out and "2/3" in out
+
+
+# --------------------------------------------------------------------------------------------------
+# check_prose_numbers: measured numbers in prose come from a cell of the page
+# --------------------------------------------------------------------------------------------------
+def _page(markdown: str, printed: str = "", glued: str = "") -> dict:
+    cells = [nbformat.v4.new_markdown_cell(markdown)]
+    code = nbformat.v4.new_code_cell("pass")
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout", text=printed)]
+    if glued:
+        code.outputs.append(nbformat.v4.new_output("display_data", data={"text/plain": glued}))
+    return {"cells": [*cells, code]}
+
+
+@pytest.mark.parametrize(
+    "markdown, printed, problems",
+    [
+        ("ours is 1.13× faster", "ratio 1.1342", []),  # rounds to the prose's precision
+        ("ours is 1.13× faster", "ratio 1.1392", ["1.13×"]),  # rounds to 1.14: not this number
+        ("it reads 4,218 GB/s", "4218.4 GB/s", []),  # commas ignored
+        ("took 0.699 ms and 57%", "0.699", ["57%"]),
+        ("see `1.5×` and $2.5\\times$", "", []),  # code spans and math are not prose
+        ("glued {glue:text}`speedup` × and 3 steps", "", []),  # glued values; a count without a unit
+        ("costs 2.3 GiB", "", ["2.3 GiB"]),
+    ],
+)
+def test_prose_numbers_need_an_output_on_the_page(markdown, printed, problems):
+    from tools import check_prose_numbers as check
+
+    assert [number for _, number in check.unsupported(_page(markdown, printed))] == problems
+
+
+def test_prose_numbers_allow_file_only_shrinks(tmp_path):
+    from tools import check_prose_numbers as check
+
+    page = tmp_path / "01_page.ipynb"
+    page.write_text(json.dumps(_page("costs 2.3 GiB of 80 GB")))
+    allow = tmp_path / "allowed.txt"
+    allow.write_text("01_page | 2.3 GiB | a size computed in the text\n01_page | 80 GB | hardware\n")
+    assert check.check([str(page)], check.read_allowed(str(allow))) == []
+    allow.write_text("01_page | 2.3 GiB | a size\n01_page | 80 GB | hardware\n01_page | 9 ms | gone\n")
+    assert check.check([str(page)], check.read_allowed(str(allow))) == [
+        "01_page: the allow file lists '9 ms', which its prose no longer has unsupported"
+    ]
+    allow.write_text("01_page | 2.3 GiB\n")
+    with pytest.raises(ValueError, match="want 'notebook | number | reason'"):
+        check.read_allowed(str(allow))
+
+
+def test_the_course_s_prose_numbers_pass():
+    from tools import check_prose_numbers as check
+
+    notebooks = sorted(os.path.join(ROOT, "notebooks", n) for n in os.listdir(os.path.join(ROOT, "notebooks")))
+    allowed = check.read_allowed(os.path.join(ROOT, "tools", "prose_numbers_allowed.txt"))
+    assert check.check([n for n in notebooks if n.endswith(".ipynb")], allowed) == []
