@@ -24,6 +24,7 @@ from .ops.attention import (
     flash_attention,
     flash_attention_varlen,
 )
+from .ops.attention_variants import compile_attention_kernel, create_block_mask, flex_attention, flex_attention_ref
 from .ops.cross_entropy import cross_entropy, cross_entropy_ref
 from .ops.decode_attention import decode_attention, decode_attention_ref
 from .ops.float8 import Float8Linear, convert_to_float8, float8_linear, float8_linear_ref
@@ -46,6 +47,10 @@ __all__ = [
     "attention_ref",
     "attention_varlen_ref",
     "MultiHeadAttention",
+    "flex_attention",
+    "flex_attention_ref",
+    "create_block_mask",
+    "compile_attention_kernel",
     "decode_attention",
     "decode_attention_ref",
     "cross_entropy",

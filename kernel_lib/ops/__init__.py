@@ -12,6 +12,7 @@ few need siblings too. To use a kernel in your project, copy these files into on
 * ``attention.py``: with ``_utils.py``, ``attention_kernels.py``, ``attention_hopper.py`` (the Gluon forward for
   SM90 GPUs; on a Triton without Gluon it imports and stays unused) and ``rope.py`` (for ``MultiHeadAttention``'s
   rotary embedding; ``flash_attention`` alone does not import it);
+* ``attention_variants.py``: with ``_utils.py`` and ``attention_kernels.py``;
 * ``moe.py``: with ``_utils.py``, ``grouped_mm.py`` and ``swiglu.py``.
 
 ``COMPANIONS`` says the same for code; ``tests/test_copy_alone.py`` copies each file with exactly these
@@ -30,5 +31,6 @@ COMPANIONS = {
     "decode_attention.py": (),
     "quantized_linear.py": (),
     "float8.py": (),
+    "attention_variants.py": ("attention_kernels.py",),
     "moe.py": ("grouped_mm.py", "swiglu.py"),
 }

@@ -1,0 +1,167 @@
+"""Attention variants from a mask function (kernel_lib/ops/attention_variants.py): the block mask against the mask
+element by element, the forward and its (recomputed) backward against the float64 definition for each named
+pattern and for a mask function written here, masks per sequence, bad input named."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl  # noqa: F401 - Triton wants it visible where a jit function is defined
+
+from kernel_lib.ops import attention_variants as av
+from kernel_lib.ops.attention_variants import (
+    PATTERNS,
+    compile_attention_kernel,
+    create_block_mask,
+    dense_mask,
+    flex_attention,
+    flex_attention_ref,
+)
+
+
+def torch_mask(pattern: str, N: int, M: int, device, **params) -> torch.Tensor:
+    """The pattern's (B', 1, N, M) mask written in PyTorch: what the Triton mask functions must equal."""
+    i = torch.arange(N, device=device)[:, None]
+    j = torch.arange(M, device=device)[None, :]
+    if pattern == "causal":
+        return (j <= i + (M - N))[None, None]
+    if pattern == "sliding_window":
+        pos = i + (M - N)
+        return ((j <= pos) & (j > pos - params["window_size"]))[None, None]
+    if pattern == "document":
+        ids = params["document_ids"]
+        return ((j <= i)[None] & (ids[:, :, None] == ids[:, None, :]))[:, None]
+    if pattern == "prefix_lm":
+        return ((j <= i) | (j < params["prefix_length"]))[None, None]
+    raise AssertionError(pattern)
+
+
+def _params(pattern: str, B: int, N: int, device) -> dict:
+    if pattern == "sliding_window":
+        return {"window_size": 37}
+    if pattern == "document":  # documents of 1 to 40 tokens; each sequence its own split
+        gen = torch.Generator().manual_seed(N)
+        ids = torch.cumsum(torch.rand(B, N, generator=gen) < 0.08, dim=1).to(torch.int32)
+        return {"document_ids": ids.to(device)}
+    if pattern == "prefix_lm":
+        return {"prefix_length": 45}
+    return {}
+
+
+CASES = [  # (pattern, B, Hq, Hkv, N, M): ragged blocks everywhere (the interpreter's blocks are 32 x 32)
+    ("causal", 2, 4, 2, 100, 100),  # GQA
+    ("causal", 1, 2, 1, 70, 130),  # M > N: bottom-right
+    ("causal", 1, 2, 2, 130, 70),  # N > M: queries that see no key
+    ("sliding_window", 1, 3, 3, 150, 150),  # empty blocks skipped on both sides
+    ("document", 2, 2, 1, 120, 120),  # a mask per sequence, from a captured tensor
+    ("prefix_lm", 1, 2, 2, 99, 99),
+]
+
+
+@pytest.mark.parametrize("pattern, B, Hq, Hkv, N, M", CASES, ids=lambda c: str(c))
+def test_block_mask_lists_what_the_mask_sees(device, pattern, B, Hq, Hkv, N, M):
+    params = _params(pattern, B, N, device)
+    mask_mod, captures = PATTERNS[pattern](N, M, **params)
+    bm = create_block_mask(mask_mod, B if pattern == "document" else None, None, N, M, captures, device=device)
+    want = torch_mask(pattern, N, M, device, **params)
+    assert torch.equal(dense_mask(bm), want)
+    # each query block visits exactly the key blocks where it sees something; full blocks are seen entirely
+    blocks = torch.nn.functional.pad(want, (0, -M % bm.block_n, 0, -N % bm.block_m))
+    blocks = blocks.reshape(*want.shape[:2], -1, bm.block_m, blocks.shape[-1] // bm.block_n, bm.block_n)
+    any_seen = blocks.any(dim=(3, 5))
+    for b in range(want.shape[0]):
+        for qb in range(any_seen.shape[2]):
+            part = set(bm.part_idx[b, 0, qb, : bm.part_num[b, 0, qb]].tolist())
+            full = set(bm.full_idx[b, 0, qb, : bm.full_num[b, 0, qb]].tolist())
+            assert not part & full
+            assert part | full == set(torch.nonzero(any_seen[b, 0, qb]).flatten().tolist())
+            for kb in full:
+                rows = slice(qb * bm.block_m, min(N, (qb + 1) * bm.block_m))
+                cols = slice(kb * bm.block_n, (kb + 1) * bm.block_n)
+                assert cols.stop <= M and want[b, 0, rows, cols].all()
+
+
+def _check(out, want, atol):
+    torch.testing.assert_close(out.double(), want.double(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("pattern, B, Hq, Hkv, N, M", CASES, ids=lambda c: str(c))
+def test_forward_backward_against_float64(device, pattern, B, Hq, Hkv, N, M):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    atol = 2e-2 if device == "cpu" else 3e-2  # the interpreter truncates to bf16 in the dots: see the guide
+    params = _params(pattern, B, N, device)
+    attend = compile_attention_kernel(pattern, **params)
+    q = torch.randn(B, Hq, N, 40, device=device, dtype=dtype, requires_grad=True)  # head dim 40: padded to 64
+    k = torch.randn(B, Hkv, M, 40, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, M, 24, device=device, dtype=dtype, requires_grad=True)  # Dv != D
+    out, lse = attend(q, k, v, return_lse=True)
+    mask = torch_mask(pattern, N, M, device, **params)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want, want_lse = flex_attention_ref(*inputs64, mask, return_lse=True)
+    _check(out, want, atol)
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen)  # -inf exactly where a query sees no key
+    assert (out[~seen] == 0).all()
+    torch.testing.assert_close(lse[seen].double(), want_lse[seen], atol=atol, rtol=0)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    want_grads = torch.autograd.grad(want, inputs64, dout.double())
+    for got, exact in zip(grads, want_grads, strict=True):
+        _check(got, exact, atol * 2)
+
+
+@triton.jit
+def _dilated(b, h, q_idx, kv_idx, captures):
+    """A mask function written by a user: causal, every other key, plus the first `captures[0]` keys."""
+    return (kv_idx <= q_idx) & (((q_idx - kv_idx) % 2 == 0) | (kv_idx < captures[0]))
+
+
+def test_a_mask_function_of_one_s_own(device):
+    N = 90
+    bm = create_block_mask(_dilated, None, None, N, N, (5,), device=device)
+    i, j = torch.arange(N, device=device)[:, None], torch.arange(N, device=device)[None, :]
+    want_mask = (j <= i) & (((i - j) % 2 == 0) | (j < 5))
+    assert torch.equal(dense_mask(bm)[0, 0], want_mask)
+    q = torch.randn(1, 2, N, 32, device=device, dtype=torch.float32 if device == "cpu" else torch.float16)
+    _check(flex_attention(q, q, q, bm), flex_attention_ref(q.double(), q.double(), q.double(), want_mask), 2e-2)
+
+
+def test_sliding_window_skips_the_blocks_outside(device):
+    mask_mod, captures = PATTERNS["sliding_window"](512, 512, window_size=32)
+    band = create_block_mask(mask_mod, None, None, 512, 512, captures, device=device)
+    assert band.density() < 0.2  # a band of blocks along the diagonal, not the whole lower triangle
+    mask_mod, captures = PATTERNS["causal"](512, 512)
+    assert create_block_mask(mask_mod, None, None, 512, 512, captures, device=device).density() > 0.5
+
+
+def test_bad_input_is_named(device):
+    q = torch.randn(1, 2, 16, 16, device=device)
+    bm = create_block_mask(av.causal_mask, None, None, 16, 16, (0,), device=device)
+    with pytest.raises(TypeError, match="mask_mod must be a @triton.jit"):
+        create_block_mask(lambda b, h, i, j, c: i >= j, None, None, 16, 16)
+    with pytest.raises(TypeError, match="captures must be a tuple"):
+        create_block_mask(av.causal_mask, None, None, 16, 16, [0])
+    with pytest.raises(ValueError, match="made for"):
+        flex_attention(torch.randn(1, 2, 20, 16, device=device), q, q, bm)
+    with pytest.raises(TypeError, match="one dtype"):
+        flex_attention(q, q.half(), q, bm)
+    with pytest.raises(ValueError, match="pattern must be one of"):
+        compile_attention_kernel("alibi")
+    with pytest.raises(ValueError, match="window_size"):
+        compile_attention_kernel("sliding_window", window_size=0)(q, q, q)
+    with pytest.raises(ValueError, match="document masking needs"):
+        compile_attention_kernel("document", document_ids=torch.zeros(1, 8, dtype=torch.int32))(q, q, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_model_sized_on_gpu_within_twice_pytorch_s_error(pattern):
+    B, H, N, D = 2, 8, 2048, 128
+    params = _params(pattern, B, N, "cuda")
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = compile_attention_kernel(pattern, **params)(q, k, v)
+    mask = torch_mask(pattern, N, N, "cuda", **params)
+    exact = flex_attention_ref(q.double(), k.double(), v.double(), mask)
+    lowp = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # PyTorch's own rounding
+    seen = mask.any(-1)[..., None].expand_as(exact)
+    allowed = 2 * (lowp.double() - exact)[seen].abs().max().item() + 1e-2
+    assert (out.double() - exact).abs().max().item() <= allowed
