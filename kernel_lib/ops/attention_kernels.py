@@ -115,12 +115,12 @@ def _sees(key_pos, query_pos, N, M, WINDOW: tl.constexpr, WINDOW_SIZE):
 
 
 @triton.jit
-def _mask_scores(s, offs_m, offs_n, N, M, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WINDOW_SIZE):
-    """-inf where key offs_n is out of range or not visible to query offs_m (bottom-right aligned)."""
+def _visible_tile(offs_m, offs_n, N, M, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WINDOW_SIZE):
+    """(BLOCK_M, BLOCK_N): key offs_n in range and visible to query offs_m (bottom-right aligned)."""
     visible = offs_n[None, :] < M
     if CAUSAL:  # a window comes only with causal (the API checks it)
         visible = visible & _sees(offs_n[None, :], offs_m[:, None], N, M, WINDOW, WINDOW_SIZE)
-    return tl.where(visible, s, float("-inf"))
+    return visible
 
 
 @triton.jit
@@ -225,6 +225,24 @@ def _key_blocks(start_m, N, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAU
 
 
 @triton.jit
+def _fwd_block(acc, l_i, m_i, q, k, v, qk_scale, visible, MASK: tl.constexpr):
+    """One key block of the online softmax: scores of q against k (base 2), -inf where not ``visible`` (when MASK),
+    the running max, sum and output rescaled and updated with this block's probabilities times v."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+    if MASK:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = m_new
+    if MASK:  # a row that has seen no key yet keeps m = -inf: subtract 0 instead, so p = 0, not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fwd_steps(
     acc, l_i, m_i, q,  # running output, sum and max of this program's queries; its q tile
     k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
@@ -237,18 +255,10 @@ def _fwd_steps(
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+        visible = offs_n[None, :] < M
         if MASK:
-            s = _mask_scores(s, offs_m, offs_n, N, M, CAUSAL, WINDOW, WINDOW_SIZE)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = m_new
-        if MASK:  # a row that has seen no key yet keeps m = -inf: subtract 0 instead, so p = 0, not NaN
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            visible = _visible_tile(offs_m, offs_n, N, M, CAUSAL, WINDOW, WINDOW_SIZE)
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k, v, qk_scale, visible, MASK)
     return acc, l_i, m_i
 
 
@@ -392,6 +402,35 @@ def _attn_bwd_prep_kernel(
 
 
 @triton.jit
+def _dkdv_block(dk, dv, k, v, q, do, lse2, delta, qk_scale, visible_t, MASK: tl.constexpr):
+    """One query block's share of dk and dv, transposed (keys along rows): P^T = 2^(k q^T - lse2), zero where not
+    ``visible_t`` (BLOCK_N, BLOCK_M) when MASK; dv += P^T dout; dS^T = P^T (v dout^T - delta); dk += dS^T q."""
+    p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # (BLOCK_N, BLOCK_M)
+    if MASK:
+        p_t = tl.where(visible_t, p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do)
+    ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _query_rows(q_base, do_base, lse2_base, delta_base, offs_m, offs_dk, offs_dv, sqn, son, N,
+                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                DOT_FP32: tl.constexpr):  # fmt: skip
+    """A query block's q and dout tiles and its lse2 and delta (rows past N read as 0), upcast when needed."""
+    m_valid = offs_m < N
+    q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
+    do = _load_tile(do_base, offs_m, son, N, offs_dv, D_V, BLOCK_DV)
+    lse2 = tl.load(lse2_base + offs_m, mask=m_valid, other=0.0)
+    delta = tl.load(delta_base + offs_m, mask=m_valid, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    return q, do, lse2, delta
+
+
+@triton.jit
 def _dkdv_steps(
     dk, dv, k, v,  # (BLOCK_N, BLOCK_DQK / BLOCK_DV) float32 accumulators; this program's key and value tiles
     q_base, do_base, lse2_base, delta_base,  # pointers to row 0 of this query head
@@ -407,20 +446,12 @@ def _dkdv_steps(
     # Rows past N need no mask: their q and dout load as 0, which zeroes their share of dv and ds.
     for start_m in range(q_start, q_end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_valid = offs_m < N
-        q = _load_tile(q_base, offs_m, sqn, N, offs_dk, D_QK, BLOCK_DQK)
-        do = _load_tile(do_base, offs_m, son, N, offs_dv, D_V, BLOCK_DV)
-        lse2 = tl.load(lse2_base + offs_m, mask=m_valid, other=0.0)
-        delta = tl.load(delta_base + offs_m, mask=m_valid, other=0.0)
-        if DOT_FP32:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # (BLOCK_N, BLOCK_M)
+        q, do, lse2, delta = _query_rows(q_base, do_base, lse2_base, delta_base, offs_m, offs_dk, offs_dv, sqn, son,
+                                         N, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)  # fmt: skip
+        visible_t = offs_n[:, None] < M
         if MASK:
-            p_t = tl.where(_sees(offs_n[:, None], offs_m[None, :], N, M, WINDOW, WINDOW_SIZE), p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do)
-        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q)
+            visible_t = _sees(offs_n[:, None], offs_m[None, :], N, M, WINDOW, WINDOW_SIZE)
+        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse2, delta, qk_scale, visible_t, MASK)
     return dk, dv
 
 
@@ -503,6 +534,18 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_block(dq, q, do, lse2, delta, k, v, qk_scale, visible, MASK: tl.constexpr):
+    """One key block's share of dq: P = 2^(q k^T - lse2), zero where not ``visible`` when MASK; dS = P (dout v^T -
+    delta); dq += dS k."""
+    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
+    if MASK:
+        p = tl.where(visible, p, 0.0)
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
 def _dq_steps(
     dq, q, do, lse2, delta,  # (BLOCK_M, BLOCK_DQK) float32 accumulator; this program's q, dout; its lse2, delta
     k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
@@ -516,11 +559,10 @@ def _dq_steps(
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
+        visible = offs_n[None, :] < M
         if MASK:
-            p = tl.where(_sees(offs_n[None, :], offs_m[:, None], N, M, WINDOW, WINDOW_SIZE), p, 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+            visible = _sees(offs_n[None, :], offs_m[:, None], N, M, WINDOW, WINDOW_SIZE)
+        dq = _dq_block(dq, q, do, lse2, delta, k, v, qk_scale, visible, MASK)
     return dq
 
 
