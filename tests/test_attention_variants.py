@@ -165,3 +165,29 @@ def test_model_sized_on_gpu_within_twice_pytorch_s_error(pattern):
     seen = mask.any(-1)[..., None].expand_as(exact)
     allowed = 2 * (lowp.double() - exact)[seen].abs().max().item() + 1e-2
     assert (out.double() - exact).abs().max().item() <= allowed
+
+
+@triton.jit
+def _window_per_head(b, h, q_idx, kv_idx, captures):
+    """Causal, head h seeing the last captures[0] * (h + 1) keys: a mask that differs by head."""
+    return (kv_idx <= q_idx) & (kv_idx > q_idx - captures[0] * (h + 1))
+
+
+def test_a_mask_per_head_with_grouped_heads_and_the_lse_gradient(device):
+    B, Hq, Hkv, N = 2, 4, 2, 75
+    bm = create_block_mask(_window_per_head, None, Hq, N, N, (9,), device=device)
+    assert bm.part_num.shape[:2] == (1, Hq)
+    i, j = torch.arange(N, device=device)[:, None], torch.arange(N, device=device)[None, :]
+    mask = torch.stack([(j <= i) & (j > i - 9 * (h + 1)) for h in range(Hq)])[None]
+    assert torch.equal(dense_mask(bm), mask)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q = torch.randn(B, Hq, N, 32, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, N, 32, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    out, lse = flex_attention(q, k, v, bm, return_lse=True)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want, want_lse = flex_attention_ref(*inputs64, mask, return_lse=True)
+    _check(out, want, 2e-2)
+    loss = (out.float() ** 2).sum() + lse.sum()  # gradients through the output and the log-sum-exp
+    want_loss = (want**2).sum() + want_lse.sum()
+    for got, exact in zip(torch.autograd.grad(loss, (q, k, v)), torch.autograd.grad(want_loss, inputs64), strict=True):
+        torch.testing.assert_close(got.double(), exact, atol=0.05 * exact.abs().max().item(), rtol=0)

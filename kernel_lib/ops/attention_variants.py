@@ -16,9 +16,9 @@ requires it). Data flow:
 2. ``flex_attention``'s forward runs a program per (query block, head, sequence): the online softmax of the flash
    forward over the full key blocks without a mask, then over the partial ones with ``mask_mod`` applied element
    by element; empty blocks are never read. GQA: heads share keys as in ``flash_attention``.
-3. The backward (not fused yet) recomputes through the float32 definition with the mask materialized, N x M
-   booleans a (sequence, head) the mask depends on: correct, but memory-bound and O(N M); the fused backward over
-   the same block lists is the next step.
+3. The backward runs the flash backward's two kernels over the same lists: dQ a program per query block over its
+   key blocks, dK/dV a program per key block over the query blocks that see it (the lists transposed), each
+   applying ``mask_mod`` on partial blocks only; delta = rowsum(dout * out) is two PyTorch lines.
 
 Named patterns (``PATTERNS``: causal, sliding_window, document, prefix_lm) are mask functions with their captures
 made by ``compile_attention_kernel(pattern, **params)``, which returns a callable ``attend(q, k, v)`` that builds
@@ -38,7 +38,16 @@ import triton
 import triton.language as tl
 
 from ._utils import check_same_device, check_same_dtype, check_tensor, is_interpreting, use_triton
-from .attention_kernels import _head_base, _load_kv, _query_block, _store_tile
+from .attention_kernels import (
+    _dkdv_block,
+    _dq_block,
+    _fwd_block,
+    _head_base,
+    _load_kv,
+    _query_block,
+    _query_rows,
+    _store_tile,
+)
 
 __all__ = [
     "BlockMask",
@@ -173,7 +182,22 @@ def _dense_mask_kernel(out_ptr, N, M, H_MASK, captures, MASK_MOD: tl.constexpr, 
 
 
 @triton.jit
-def _flex_steps(
+def _mod_visible(b, h, offs_m, offs_n, N, M, captures, MASK_MOD: tl.constexpr):
+    """(BLOCK_M, BLOCK_N): the mask function on a tile, keys past M hidden. It sees indices clamped into [0, N) and
+    [0, M); rows past N are never stored (forward, dQ) or read as 0 (dK/dV)."""
+    q_idx, kv_idx = tl.minimum(offs_m, N - 1), tl.minimum(offs_n, M - 1)
+    return MASK_MOD(b, h, q_idx[:, None], kv_idx[None, :], captures) & (offs_n < M)[None, :]
+
+
+@triton.jit
+def _mod_visible_t(b, h, offs_m, offs_n, N, M, captures, MASK_MOD: tl.constexpr):
+    """(BLOCK_N, BLOCK_M): the same with keys along the rows (the dK/dV kernel's orientation)."""
+    q_idx, kv_idx = tl.minimum(offs_m, N - 1), tl.minimum(offs_n, M - 1)
+    return MASK_MOD(b, h, q_idx[None, :], kv_idx[:, None], captures) & (offs_n < M)[:, None]
+
+
+@triton.jit
+def _flex_fwd_steps(
     acc, l_i, m_i, q,  # running output, sum and max of this program's queries; its q tile
     k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
     idx_ptr, count,  # the key blocks to visit: count indices from idx_ptr
@@ -185,18 +209,50 @@ def _flex_steps(
     for i in range(0, count):
         offs_n = tl.load(idx_ptr + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+        visible = offs_n[None, :] < M
         if MASK:
-            seen = MASK_MOD(b, h, tl.minimum(offs_m, N - 1)[:, None], tl.minimum(offs_n, M - 1)[None, :], captures)
-            s = tl.where(seen & (offs_n < M)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: p = 0, not NaN
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            visible = _mod_visible(b, h, offs_m, offs_n, N, M, captures, MASK_MOD)
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k, v, qk_scale, visible, MASK)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _flex_dq_steps(
+    dq, q, do, lse2, delta,  # (BLOCK_M, BLOCK_DQK) float32 accumulator; this block's q, dout, lse2, delta
+    k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
+    idx_ptr, count,  # the key blocks to visit
+    b, h, N, M, qk_scale, captures,
+    MASK: tl.constexpr, MASK_MOD: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    for i in range(0, count):
+        offs_n = tl.load(idx_ptr + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
+        visible = offs_n[None, :] < M
+        if MASK:
+            visible = _mod_visible(b, h, offs_m, offs_n, N, M, captures, MASK_MOD)
+        dq = _dq_block(dq, q, do, lse2, delta, k, v, qk_scale, visible, MASK)
+    return dq
+
+
+@triton.jit
+def _flex_dkdv_steps(
+    dk, dv, k, v,  # (BLOCK_N, ...) float32 accumulators; this program's key and value tiles
+    q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv, sqn, son,
+    idx_ptr, count,  # the query blocks to visit
+    b, h, N, M, qk_scale, captures,
+    MASK: tl.constexpr, MASK_MOD: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    for i in range(0, count):
+        offs_m = tl.load(idx_ptr + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q, do, lse2, delta = _query_rows(q_base, do_base, lse2_base, delta_base, offs_m, offs_dk, offs_dv, sqn, son,
+                                         N, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)  # fmt: skip
+        visible_t = offs_n[:, None] < M
+        if MASK:
+            visible_t = _mod_visible_t(b, h, offs_m, offs_n, N, M, captures, MASK_MOD)
+        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse2, delta, qk_scale, visible_t, MASK)
+    return dk, dv
 
 
 @triton.jit
@@ -225,11 +281,11 @@ def _flex_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    acc, l_i, m_i = _flex_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
+    acc, l_i, m_i = _flex_fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
                                 full_idx_ptr + row.to(tl.int64) * NK, tl.load(full_num_ptr + row), b, h, N, M,
                                 qk_scale, captures, False, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
                                 BLOCK_DV)  # fmt: skip
-    acc, l_i, m_i = _flex_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
+    acc, l_i, m_i = _flex_fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
                                 part_idx_ptr + row.to(tl.int64) * NK, tl.load(part_num_ptr + row), b, h, N, M,
                                 qk_scale, captures, True, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
                                 BLOCK_DV)  # fmt: skip
@@ -240,6 +296,82 @@ def _flex_fwd_kernel(
     tl.store(_head_base(lse_ptr, b, h, q0, slb, slh, 1, False) + offs_m, lse, mask=offs_m < N)
 
 
+@triton.jit
+def _flex_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr,  # as in the forward; dout in out's layout
+    lse2_ptr, delta_ptr,  # (B, Hq, N) float32, contiguous: base-2 log-sum-exp (+inf for no key), rowsum(dout*out)
+    dq_ptr,  # output (B, Hq, N, D_QK), q's strides
+    part_num_ptr, part_idx_ptr, full_num_ptr, full_idx_ptr, smb, smh, NK,  # the block mask, as in the forward
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,  # strides of q (and dq), k, v, dout
+    Hq, N, M, GROUP, scale, captures,
+    MASK_MOD: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.program_id(0) * BLOCK_M
+    b, h = tl.program_id(1) // Hq, tl.program_id(1) % Hq
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dk, offs_dv = tl.arange(0, BLOCK_DQK), tl.arange(0, BLOCK_DV)
+    stats = (b * Hq + h).to(tl.int64) * N
+    q, do, lse2, delta = _query_rows(_head_base(q_ptr, b, h, 0, sqb, sqh, sqn, False),
+                                     _head_base(do_ptr, b, h, 0, sob, soh, son, False), lse2_ptr + stats,
+                                     delta_ptr + stats, offs_m, offs_dk, offs_dv, sqn, son, N, D_QK, D_V, BLOCK_DQK,
+                                     BLOCK_DV, DOT_FP32)  # fmt: skip
+    k_base = _head_base(k_ptr, b, h // GROUP, 0, skb, skh, skn, False)
+    v_base = _head_base(v_ptr, b, h // GROUP, 0, svb, svh, svn, False)
+    row = b * smb + h * smh + start_m // BLOCK_M
+    qk_scale = scale * 1.4426950408889634
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    for MASK in tl.static_range(2):  # the full key blocks, then the partial ones
+        num_ptr = full_num_ptr if MASK == 0 else part_num_ptr
+        idx_ptr = full_idx_ptr if MASK == 0 else part_idx_ptr
+        dq = _flex_dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
+                            idx_ptr + row.to(tl.int64) * NK, tl.load(num_ptr + row), b, h, N, M, qk_scale, captures,
+                            MASK == 1, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+    _store_tile(_head_base(dq_ptr, b, h, 0, sqb, sqh, sqn, False), dq * scale, offs_m, sqn, N, offs_dk, D_QK,
+                BLOCK_DQK)  # fmt: skip
+
+
+@triton.jit
+def _flex_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr,  # as in _flex_dq_kernel
+    dk_ptr, dv_ptr,  # outputs, k's and v's strides
+    part_num_ptr, part_idx_ptr, full_num_ptr, full_idx_ptr,  # the block mask transposed: per (b', h', key block)
+    smb, smh, NQ,  # its strides over (B', H') in key blocks, and an index row's length
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,  # strides of q, k (and dk), v (and dv), dout
+    Hq, Hkv, N, M, GROUP, scale, captures,
+    MASK_MOD: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    start_n = tl.program_id(0) * BLOCK_N
+    b, hk = tl.program_id(1) // Hkv, tl.program_id(1) % Hkv
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dk, offs_dv = tl.arange(0, BLOCK_DQK), tl.arange(0, BLOCK_DV)
+    k_base = _head_base(k_ptr, b, hk, 0, skb, skh, skn, False)
+    v_base = _head_base(v_ptr, b, hk, 0, svb, svh, svn, False)
+    k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    for g in range(0, GROUP):  # every query head reading this key/value head
+        h = hk * GROUP + g
+        q_base = _head_base(q_ptr, b, h, 0, sqb, sqh, sqn, False)
+        do_base = _head_base(do_ptr, b, h, 0, sob, soh, son, False)
+        stats = (b * Hq + h).to(tl.int64) * N
+        row = b * smb + h * smh + start_n // BLOCK_N
+        for MASK in tl.static_range(2):  # the full query blocks, then the partial ones
+            num_ptr = full_num_ptr if MASK == 0 else part_num_ptr
+            idx_ptr = full_idx_ptr if MASK == 0 else part_idx_ptr
+            dk, dv = _flex_dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_ptr + stats, delta_ptr + stats, offs_n,
+                                      offs_dk, offs_dv, sqn, son, idx_ptr + row.to(tl.int64) * NQ,
+                                      tl.load(num_ptr + row), b, h, N, M, qk_scale, captures, MASK == 1, MASK_MOD,
+                                      DOT_FP32, BLOCK_M, D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+    _store_tile(_head_base(dk_ptr, b, hk, 0, skb, skh, skn, False), dk * scale, offs_n, skn, M, offs_dk, D_QK,
+                BLOCK_DQK)  # fmt: skip
+    _store_tile(_head_base(dv_ptr, b, hk, 0, svb, svh, svn, False), dv, offs_n, svn, M, offs_dv, D_V, BLOCK_DV)
+
+
 # --------------------------------------------------------------------------------------------------
 # The block mask
 # --------------------------------------------------------------------------------------------------
@@ -248,13 +380,18 @@ class BlockMask:
     """Which key blocks each query block visits, for one mask function at one (N, M) and tile shape.
 
     ``part_num`` / ``full_num``: (B', H', NQ) int32, the partial and full key blocks of each query block;
-    ``part_idx`` / ``full_idx``: (B', H', NQ, NK) int32, their indices first (ascending), the rest unused. B' is 1
-    when the mask does not depend on the sequence (it then serves any batch), H' likewise for heads."""
+    ``part_idx`` / ``full_idx``: (B', H', NQ, NK) int32, their indices first (ascending), the rest unused; the
+    ``q_*`` lists are the same by key block (the dK/dV kernel's). B' is 1 when the mask does not depend on the
+    sequence (it then serves any batch), H' likewise for heads."""
 
     part_num: torch.Tensor
     part_idx: torch.Tensor
     full_num: torch.Tensor
     full_idx: torch.Tensor
+    q_part_num: torch.Tensor  # the same transposed, per key block: (B', H', NK) and (B', H', NK, NQ)
+    q_part_idx: torch.Tensor
+    q_full_num: torch.Tensor
+    q_full_idx: torch.Tensor
     N: int
     M: int
     block_m: int
@@ -319,10 +456,11 @@ def create_block_mask(mask_mod, B: Optional[int], H: Optional[int], N: int, M: i
     _block_states_kernel[(n_qb, n_kb, b_mask * h_mask)](states, N, M, h_mask, captures, MASK_MOD=mask_mod,
                                                           BLOCK_M=bm, BLOCK_N=bn)  # fmt: skip
     lists = []
-    for state in (PARTIAL, FULL):
-        hit = states == state
-        order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True)  # the hits first, in ascending order
-        lists += [hit.sum(dim=-1, dtype=torch.int32), order.to(torch.int32).contiguous()]
+    for grid in (states, states.transpose(2, 3)):  # by query block, then by key block
+        for state in (PARTIAL, FULL):
+            hit = grid == state
+            order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True)  # the hits first, in ascending order
+            lists += [hit.sum(dim=-1, dtype=torch.int32).contiguous(), order.to(torch.int32).contiguous()]
     return BlockMask(*lists, N=N, M=M, block_m=bm, block_n=bn, mask_mod=mask_mod, captures=captures)
 
 
@@ -340,52 +478,79 @@ def dense_mask(block_mask: BlockMask) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # Launcher and autograd
 # --------------------------------------------------------------------------------------------------
-def _forward(q, k, v, block_mask: BlockMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    B, Hq, N, D = q.shape
-    Hkv, Dv = k.shape[1], v.shape[-1]
-    out = torch.empty((B, Hq, N, Dv), device=q.device, dtype=q.dtype)
-    lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
-    b_mask, h_mask, n_qb = block_mask.part_num.shape
-    smb = h_mask * n_qb if b_mask > 1 else 0  # rows of the block mask a sequence / a head moves
-    smh = n_qb if h_mask > 1 else 0
-    dqk, dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
-    bm, bn = block_mask.block_m, block_mask.block_n
+def _launch_args(q, k, v, block_mask: BlockMask) -> tuple[dict, tuple]:
+    """The constexprs and launch options every kernel of a call shares, and the block mask's row strides."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    bm = block_mask.block_m
     warps, stages = (4, 1) if is_interpreting() else ((8, 3) if bm >= 128 else (4, 2))
-    _flex_fwd_kernel[(triton.cdiv(N, bm), B * Hq)](
-        q, k, v, out, lse, block_mask.part_num, block_mask.part_idx, block_mask.full_num, block_mask.full_idx,
-        smb, smh, block_mask.part_idx.shape[-1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *out.stride()[:3], *lse.stride()[:2], Hq, N, k.shape[2], Hq // Hkv, scale * 1.4426950408889634,
-        block_mask.captures, MASK_MOD=block_mask.mask_mod, D_QK=D, D_V=Dv, BLOCK_DQK=dqk, BLOCK_DV=dv,
-        DOT_FP32=q.device.type == "cpu", BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+    b_mask, h_mask = block_mask.part_num.shape[:2]
+    consts = dict(MASK_MOD=block_mask.mask_mod, D_QK=D, D_V=Dv, BLOCK_DQK=max(16, triton.next_power_of_2(D)),
+                  BLOCK_DV=max(16, triton.next_power_of_2(Dv)), DOT_FP32=q.device.type == "cpu", BLOCK_M=bm,
+                  BLOCK_N=block_mask.block_n, num_warps=warps, num_stages=stages)  # fmt: skip
+    return consts, (b_mask > 1, h_mask > 1)
+
+
+def _row_strides(lists: torch.Tensor, varies: tuple) -> tuple[int, int]:
+    """A (B', H', blocks) list's strides over sequences and heads, 0 where the mask broadcasts."""
+    _, h_mask, blocks = lists.shape
+    return (h_mask * blocks if varies[0] else 0), (blocks if varies[1] else 0)
+
+
+def _forward(q, k, v, block_mask: BlockMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    B, Hq, N, _ = q.shape
+    out = torch.empty((B, Hq, N, v.shape[-1]), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
+    consts, varies = _launch_args(q, k, v, block_mask)
+    bmask = block_mask
+    _flex_fwd_kernel[(triton.cdiv(N, bmask.block_m), B * Hq)](
+        q, k, v, out, lse, bmask.part_num, bmask.part_idx, bmask.full_num, bmask.full_idx,
+        *_row_strides(bmask.part_num, varies), bmask.part_idx.shape[-1], *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2], Hq, N, k.shape[2], Hq // k.shape[1],
+        scale * 1.4426950408889634, bmask.captures, **consts,
     )  # fmt: skip
     return out, lse
+
+
+def _backward(dout, dlse, q, k, v, out, lse, block_mask: BlockMask, scale: float):
+    B, Hq, N, _ = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    # the prep is two memory-bound lines: rowsum(dout * out) - dlse, and lse in base 2 (+inf: no key, so P = 0)
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - torch.where(torch.isfinite(lse), dlse, 0.0)
+    lse2 = torch.where(torch.isfinite(lse), lse * 1.4426950408889634, float("inf")).contiguous()
+    delta = delta.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    consts, varies = _launch_args(q, k, v, block_mask)
+    bmask = block_mask
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    _flex_dq_kernel[(triton.cdiv(N, bmask.block_m), B * Hq)](
+        q, k, v, dout, lse2, delta, dq, bmask.part_num, bmask.part_idx, bmask.full_num, bmask.full_idx,
+        *_row_strides(bmask.part_num, varies), bmask.part_idx.shape[-1], *strides, Hq, N, M, Hq // Hkv, scale,
+        bmask.captures, **consts,
+    )  # fmt: skip
+    _flex_dkdv_kernel[(triton.cdiv(M, bmask.block_n), B * Hkv)](
+        q, k, v, dout, lse2, delta, dk, dv, bmask.q_part_num, bmask.q_part_idx, bmask.q_full_num,
+        bmask.q_full_idx, *_row_strides(bmask.q_part_num, varies), bmask.q_part_idx.shape[-1], *strides, Hq, Hkv,
+        N, M, Hq // Hkv, scale, bmask.captures, **consts,
+    )  # fmt: skip
+    return dq, dk, dv
 
 
 class _FlexAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_mask, scale):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         out, lse = _forward(q, k, v, block_mask, scale)
-        ctx.save_for_backward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.block_mask, ctx.scale = block_mask, scale
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        # Not fused yet: the float32 definition with the mask materialized, differentiated by autograd
-        q, k, v = ctx.saved_tensors
-        mask = dense_mask(ctx.block_mask)
-        with torch.enable_grad():
-            needs = ctx.needs_input_grad[:3]
-            leaves = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), needs, strict=True)]
-            out, lse = flex_attention_ref(*leaves, mask, ctx.scale, return_lse=True)
-            grads = torch.autograd.grad(
-                (out, lse), [t for t in leaves if t.requires_grad],
-                (dout, torch.where(torch.isfinite(lse), dlse, 0.0) if dlse is not None else None),
-                allow_unused=True,
-            )  # fmt: skip
-        it = iter(grads)
-        return (*(next(it) if need else None for need in ctx.needs_input_grad[:3]), None, None)
+        dq, dk, dv = _backward(dout, dlse, *ctx.saved_tensors, ctx.block_mask, ctx.scale)
+        return dq, dk, dv, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,7 +561,7 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
     """Attention of q (B, Hq, N, D) over k (B, Hkv, M, D) and v (B, Hkv, M, Dv) under ``block_mask`` (from
     :func:`create_block_mask` for these N and M, and for this B and Hq unless made for None); float16 or
     bfloat16 (float32 on the CPU, interpreted). Returns out (B, Hq, N, Dv), and the natural-log log-sum-exp
-    (B, Hq, N) float32 with ``return_lse``. Differentiable in q, k, v (the backward recomputes: module docstring)."""
+    (B, Hq, N) float32 with ``return_lse``. Differentiable in q, k, v (and through lse)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, ndim=4)
     check_same_dtype(q=q, k=k, v=v)
