@@ -157,14 +157,21 @@ def test_bad_input_is_named(device):
 def test_model_sized_on_gpu_within_twice_pytorch_s_error(pattern):
     B, H, N, D = 2, 8, 2048, 128
     params = _params(pattern, B, N, "cuda")
-    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    out = compile_attention_kernel(pattern, **params)(q, k, v)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
     mask = torch_mask(pattern, N, N, "cuda", **params)
-    exact = flex_attention_ref(q.double(), k.double(), v.double(), mask)
+    out = compile_attention_kernel(pattern, **params)(q, k, v)
     lowp = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # PyTorch's own rounding
-    seen = mask.any(-1)[..., None].expand_as(exact)
-    allowed = 2 * (lowp.double() - exact)[seen].abs().max().item() + 1e-2
-    assert (out.double() - exact).abs().max().item() <= allowed
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    exact = flex_attention_ref(*inputs64, mask)
+    for ours, theirs, want in zip(
+        (out, *torch.autograd.grad(out, (q, k, v), dout)),
+        (lowp, *torch.autograd.grad(lowp, (q, k, v), dout)),
+        (exact, *torch.autograd.grad(exact, inputs64, dout.double())),
+        strict=True,
+    ):
+        allowed = 2 * (theirs.double() - want).nan_to_num().abs().max().item() + 1e-2
+        assert (ours.double() - want).abs().max().item() <= allowed
 
 
 @triton.jit
