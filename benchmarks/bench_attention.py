@@ -10,6 +10,10 @@ Sections (``--sections``, all by default):
   SDPA on nested (jagged) tensors, and SDPA over the batch padded to the longest document (the padded SDPA call
   alone is timed, its best case).
 * memory: peak memory of forward + backward against the eager reference that materializes the N x N scores.
+* variants: masks from a function (kernel_lib's ``compile_attention_kernel``, ops/attention_variants.py) against
+  compiled FlexAttention with the same mask (both block masks built outside the timing), N 4096 and 16384, D 128,
+  bf16: causal, a sliding window of 1024, documents of random lengths (causal within each), a prefix LM (a
+  quarter of the sequence bidirectional); kernel_lib's flash_attention too where it has the mask built in.
 
 TFLOP/s counts 4 B H N M D for the forward (only the visible part of the matrix: half when causal, the band for a
 window, the documents' own triangles when packed) and 2.5x that for the backward. Every implementation's output
@@ -196,12 +200,62 @@ def packed_documents(rows: list, fa4, documents: int = 8, total: int = 16384, H:
     time_case(rows, "SDPA (padded batch)", sdpa, tuple(padded), fwd_flops, True, **fields)
 
 
+def variants(rows: list, lengths=(4096, 16384), D: int = 128, H: int = 16) -> None:
+    """Masks written as functions: ours (block-sparse Triton kernels) against compiled FlexAttention, same masks."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    from kernel_lib import compile_attention_kernel, flex_attention_ref
+
+    flex = torch.compile(torch_flex, dynamic=False)
+    for N in lengths:
+        B = max(1, 16384 // N)
+        gen = torch.Generator().manual_seed(N)
+        doc = torch.cumsum(torch.rand(B, N, generator=gen) < 1 / 1024, dim=1).to(torch.int32).cuda()
+        patterns = {  # name: (our params, FlexAttention's mask_mod, whether the mask depends on the sequence)
+            "causal": ({}, lambda b, h, i, j: j <= i, False),
+            "sliding_window": ({"window_size": 1024}, lambda b, h, i, j: (j <= i) & (j > i - 1024), False),
+            "document": ({"document_ids": doc}, lambda b, h, i, j, d=doc: (j <= i) & (d[b, i] == d[b, j]), True),
+            "prefix_lm": ({"prefix_length": N // 4}, lambda b, h, i, j, p=N // 4: (j <= i) | (j < p), False),
+        }
+        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for pattern, (params, mask_mod, per_sequence) in patterns.items():
+            theirs_mask = torch_block_mask(mask_mod, B if per_sequence else None, None, N, N, device="cuda")
+            ours_fn = compile_attention_kernel(pattern, **params)
+            impls = {
+                "kernel_lib flex_attention": ours_fn,
+                "FlexAttention (compiled)": lambda q, k, v, m=theirs_mask: flex(q, k, v, block_mask=m),
+            }
+            if pattern in ("causal", "sliding_window"):
+                window = params.get("window_size")
+                impls["kernel_lib flash_attention"] = lambda q, k, v, w=window: flash_attention(q, k, v, True, w)
+            i = torch.arange(N, device="cuda")[:, None]
+            j = torch.arange(N, device="cuda")[None, :]
+            dense = mask_mod(torch.arange(B, device="cuda")[:, None, None, None], 0, i, j) if per_sequence else (
+                mask_mod(0, 0, i, j)[None, None])  # fmt: skip
+            pairs = int(dense.expand(B, 1, N, N).sum().item())
+            fwd_flops = 4 * H * D * pairs
+            tail = slice(N - 128, N)
+            want = flex_attention_ref(q[:1, :1, tail].double(), k[:1, :1].double(), v[:1, :1].double(),
+                                      dense[:1, :1, tail])  # fmt: skip
+            ours = ours_fn(q, k, v)
+            for name, fn in impls.items():
+                out = fn(q, k, v)
+                ok = bool((out[:1, :1, tail].double() - want).abs().max() < 2e-2) and bool(
+                    (out - ours).abs().max() < 5e-2)  # fmt: skip
+                time_case(rows, name, fn, (q, k, v), fwd_flops, ok, B=B, H=H, N=N, D=D, pattern=pattern)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results")
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--sections", default="sweep,head-dims,packed,memory", help="comma-separated, see above")
+    parser.add_argument(
+        "--sections", default="sweep,head-dims,packed,memory,variants", help="comma-separated, see above"
+    )
     parser.add_argument("--impls", default="", help="names to keep in sweep and head-dims, comma-separated (all)")
     args = parser.parse_args()
     env = bench.require_gpu("bench_attention")
@@ -233,6 +287,8 @@ def main() -> int:
     if "head-dims" in sections:
         fixed_length(rows, impls, [(4096, D, Dv, causal, None) for D, Dv in ((80, 80), (96, 96), (192, 128),
                                    (256, 256)) for causal in (False, True)])  # fmt: skip
+    if "variants" in sections:
+        variants(rows)
     # Peak memory of forward + backward: kernel_lib against the eager reference that stores N x N scores.
     for N in (1024, 2048, 4096, 8192) if "memory" in sections else ():
         q, k, v = (
