@@ -198,3 +198,10 @@ def test_a_mask_per_head_with_grouped_heads_and_the_lse_gradient(device):
     want_loss = (want**2).sum() + want_lse.sum()
     for got, exact in zip(torch.autograd.grad(loss, (q, k, v)), torch.autograd.grad(want_loss, inputs64), strict=True):
         torch.testing.assert_close(got.double(), exact, atol=0.05 * exact.abs().max().item(), rtol=0)
+
+
+def test_under_torch_compile_it_runs_as_a_graph_break(device):
+    attend = compile_attention_kernel("causal")
+    q = torch.randn(1, 2, 40, 16, device=device, dtype=torch.float32 if device == "cpu" else torch.float16)
+    compiled = torch.compile(lambda q: attend(q, q, q) * 2)
+    torch.testing.assert_close(compiled(q), attend(q, q, q) * 2)

@@ -24,6 +24,7 @@ Named patterns (``PATTERNS``: causal, sliding_window, document, prefix_lm) are m
 made by ``compile_attention_kernel(pattern, **params)``, which returns a callable ``attend(q, k, v)`` that builds
 its block mask on first use for each shape. Tested against the float64 definition on the CPU under Triton's
 interpreter (2026-11-29); not yet run or timed on a GPU. Needs Triton 3.3 or newer (tuples as kernel arguments).
+Under ``torch.compile`` the call is a graph break (the mask function cannot be a custom op's argument yet).
 """
 
 from __future__ import annotations
@@ -375,7 +376,7 @@ def _flex_dkdv_kernel(
 # --------------------------------------------------------------------------------------------------
 # The block mask
 # --------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # tensors inside: identity, not elementwise, equality
 class BlockMask:
     """Which key blocks each query block visits, for one mask function at one (N, M) and tile shape.
 
@@ -435,6 +436,7 @@ def _check_mask_args(mask_mod, captures, N: int, M: int) -> tuple:
     return captures
 
 
+@torch.compiler.disable  # runs the mask function as a Triton kernel: a graph break under torch.compile
 def create_block_mask(mask_mod, B: Optional[int], H: Optional[int], N: int, M: int, captures: tuple = (),
                       device=None, block_m: Optional[int] = None, block_n: Optional[int] = None):  # fmt: skip
     """Evaluate ``mask_mod`` over every block of the (N, M) grid for B sequences and H query heads (None: the mask
@@ -464,6 +466,7 @@ def create_block_mask(mask_mod, B: Optional[int], H: Optional[int], N: int, M: i
     return BlockMask(*lists, N=N, M=M, block_m=bm, block_n=bn, mask_mod=mask_mod, captures=captures)
 
 
+@torch.compiler.disable
 def dense_mask(block_mask: BlockMask) -> torch.Tensor:
     """The mask element by element, (B', H', N, M) bool: what the block mask was made from."""
     b_mask, h_mask = block_mask.part_num.shape[:2]
@@ -580,8 +583,13 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not use_triton(q, op="flex_attention"):
         return flex_attention_ref(q, k, v, dense_mask(block_mask), scale, return_lse)
-    out, lse = _FlexAttention.apply(q, k, v, block_mask, scale)
+    out, lse = _apply(q, k, v, block_mask, scale)
     return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable  # a graph break under torch.compile: the mask function is no op argument (yet)
+def _apply(q, k, v, block_mask, scale):
+    return _FlexAttention.apply(q, k, v, block_mask, scale)
 
 
 def compile_attention_kernel(pattern: str, **params) -> Callable:
