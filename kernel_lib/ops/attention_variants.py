@@ -198,6 +198,20 @@ def _mod_visible_t(b, h, offs_m, offs_n, N, M, captures, MASK_MOD: tl.constexpr)
 
 
 @triton.jit
+def _key_block(idx_ptr, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h, N, M, captures,
+               MASK: tl.constexpr, MASK_MOD: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr):  # fmt: skip
+    """The key block whose index idx_ptr holds: its k and v tiles, and which keys each query sees (all in range
+    ones on a full block, the mask function's on a partial one)."""
+    offs_n = tl.load(idx_ptr) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
+    visible = offs_n[None, :] < M
+    if MASK:
+        visible = _mod_visible(b, h, offs_m, offs_n, N, M, captures, MASK_MOD)
+    return k, v, visible
+
+
+@triton.jit
 def _flex_fwd_steps(
     acc, l_i, m_i, q,  # running output, sum and max of this program's queries; its q tile
     k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
@@ -208,11 +222,9 @@ def _flex_fwd_steps(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
-        offs_n = tl.load(idx_ptr + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
-        visible = offs_n[None, :] < M
-        if MASK:
-            visible = _mod_visible(b, h, offs_m, offs_n, N, M, captures, MASK_MOD)
+        k, v, visible = _key_block(idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h, N, M,
+                                   captures, MASK, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
+                                   BLOCK_DV)  # fmt: skip
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k, v, qk_scale, visible, MASK)
     return acc, l_i, m_i
 
@@ -227,11 +239,9 @@ def _flex_dq_steps(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
-        offs_n = tl.load(idx_ptr + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
-        visible = offs_n[None, :] < M
-        if MASK:
-            visible = _mod_visible(b, h, offs_m, offs_n, N, M, captures, MASK_MOD)
+        k, v, visible = _key_block(idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h, N, M,
+                                   captures, MASK, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
+                                   BLOCK_DV)  # fmt: skip
         dq = _dq_block(dq, q, do, lse2, delta, k, v, qk_scale, visible, MASK)
     return dq
 
