@@ -166,7 +166,7 @@ def _block_states_kernel(
     all_seen = tl.min((seen | ~in_n).to(tl.int32)) * tl.min(in_m.to(tl.int32))
     state = tl.where(any_seen == 0, 0, tl.where(all_seen == 1, 2, 1))
     n_qb, n_kb = tl.num_programs(0), tl.num_programs(1)
-    tl.store(states_ptr + (bh * n_qb + qb) * n_kb + kb, state.to(tl.int8))
+    tl.store(states_ptr + (bh.to(tl.int64) * n_qb + qb) * n_kb + kb, state.to(tl.int8))
 
 
 @triton.jit
@@ -179,7 +179,8 @@ def _dense_mask_kernel(out_ptr, N, M, H_MASK, captures, MASK_MOD: tl.constexpr, 
     cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     seen = MASK_MOD(b, h, tl.minimum(rows, N - 1)[:, None], tl.minimum(cols, M - 1)[None, :], captures)
     inside = (rows < N)[:, None] & (cols < M)[None, :]
-    tl.store(out_ptr + bh.to(tl.int64) * N * M + rows[:, None] * M + cols[None, :], seen.to(tl.int8), mask=inside)
+    offsets = bh.to(tl.int64) * N * M + rows[:, None].to(tl.int64) * M + cols[None, :]  # N * M may pass 2^31
+    tl.store(out_ptr + offsets, seen.to(tl.int8), mask=inside)
 
 
 @triton.jit
