@@ -43,7 +43,7 @@ e4m3); the float64 references here quantize the same way, so they check the kern
 Measured on an H200 (2026-11-29, torch 2.11, triton 3.6; ``benchmarks/bench_float8.py``, 8,192 tokens, Llama-3-8B
 projections): the product alone reaches 745-858 TFLOP/s promoted and 996-1,137 fast, against cuBLAS's
 (``torch._scaled_mm``) 1,130-1,217 and 1,237-1,404 (bf16 cuBLAS 671-786); a layer's training step is 1.13-1.16x
-bf16 at the 14,336-wide projections and 0.74x at 4096 x 4096, where torchao's compiled ``Float8Linear`` is 0.78x.
+bf16 at the 14,336-wide projections and 0.74x at 4096 x 4096 (torchao's compiled ``Float8Linear``: 0.78-1.0x).
 Details and what is left: benchmarks/NOTES.md. The block-scaled recipe is tested on the CPU only (written
 2026-11-29): not yet run on a GPU.
 
