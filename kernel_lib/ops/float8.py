@@ -142,7 +142,7 @@ def _mm_config(M: int, N: int) -> dict:
     """Tiles of the scaled product: 128 x 128 output, 128 columns of K a step (float8 tiles of 16 KB each), in
     groups of 8 row tiles so that neighbouring programs share b's tiles in L2."""
     if is_interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1)  # few programs: fast
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
@@ -150,7 +150,7 @@ def _blocks_config() -> dict:
     """The block-scaled product: K steps of exactly one scale block (128); 128 x 128 output tiles (a weight's
     128-row block under each column tile), three stages (the scales' loads ride beside the tiles')."""
     if is_interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=BLOCK, GROUP_M=2, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=BLOCK, GROUP_M=2, num_warps=4, num_stages=1)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=BLOCK, GROUP_M=8, num_warps=8, num_stages=3)
 
 
