@@ -264,12 +264,14 @@ def test_float8_linear_quantizes_what_the_backward_needs(device, needs):
 # --------------------------------------------------------------------------------------------------
 # Block scales (DeepSeek-V3's 1 x 128 / 128 x 128)
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed-view"])  # dy^T and x^T are views
 @pytest.mark.parametrize("block_rows", [1, 128])
 @pytest.mark.parametrize("shape", [(3, 128), (130, 300), (1, 5)], ids=str)  # one block; ragged blocks; one row
-def test_quantize_blocks_against_the_reference(device, block_rows, shape):
+def test_quantize_blocks_against_the_reference(device, block_rows, shape, transposed):
     x = torch.randn(shape, device=device)
     x[:, :128] *= 100  # a block of outliers: it must not cost the next blocks their precision
-    q, scales = quantize_float8_blocks(x.bfloat16(), block_rows)
+    xb = x.bfloat16().t().contiguous().t() if transposed else x.bfloat16()  # same values, unit stride along rows
+    q, scales = quantize_float8_blocks(xb, block_rows)
     q_ref, scales_ref = quantize_float8_blocks_ref(x.bfloat16(), block_rows)
     assert scales.shape == ((shape[0] if block_rows == 1 else -(-shape[0] // 128)), -(-shape[1] // 128))
     torch.testing.assert_close(scales, scales_ref, rtol=0, atol=0)

@@ -114,17 +114,20 @@ def _do_bench_samples(fn: Callable[[], object], warmup_ms: float, rep_ms: float)
 
 
 def _cpu_samples(fn: Callable[[], object], warmup_ms: float, rep_ms: float, max_reps: int = 1000) -> list[float]:
-    """Host-clock times of ``fn`` on the CPU: warm up for ``warmup_ms``, then time single calls."""
+    """Host-clock times of ``fn`` on the CPU: warm up for ``warmup_ms`` (no call when it is 0), then time single
+    calls for ``rep_ms``: at least three, or one when that call alone outlasts ``rep_ms`` (an interpreted step of a
+    second: its repeats would only cost time; a caller that needs a spread repeats rounds, as ``compare`` does)."""
     deadline = time.perf_counter() + warmup_ms / 1e3
-    fn()
     while time.perf_counter() < deadline:
         fn()
     samples: list[float] = []
     deadline = time.perf_counter() + rep_ms / 1e3
-    while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < max_reps):
+    while len(samples) < max_reps:
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
+        if time.perf_counter() >= deadline and (len(samples) >= 3 or samples[0] >= rep_ms):
+            break
     return samples
 
 
@@ -260,6 +263,8 @@ def step_cost(step: Callable[[], object], device=None, warmup_ms: float = 100, r
     if cuda:
         torch.cuda.synchronize(device)
     first_ms = (time.perf_counter() - start) * 1e3
+    if not cuda:  # the first call was a warm-up too
+        warmup_ms = max(0.0, warmup_ms - first_ms)
     timing = time_fn(step, warmup_ms=warmup_ms, rep_ms=rep_ms, flush_l2=False, device=device.type)
     peak = float(torch.cuda.max_memory_allocated(device) - base) if cuda else math.nan
     return StepCost(timing.median_ms, timing.spread, first_ms, peak, timing.timer)

@@ -252,10 +252,10 @@ def _cast_both_kernel(
 
 @triton.jit
 def _quantize_blocks_kernel(
-    x_ptr,  # (R, C) input, unit stride along C
+    x_ptr,  # (R, C) input, unit stride along C or along R (a transposed view: read as it lies, no copy)
     q_ptr,  # (R, C) float8 output, contiguous (float32 when HOST_CAST)
     scale_ptr,  # (R, C / 128) float32 output when PER_ROW, else (R / 128, C / 128): one per block
-    R, C, sxr,  # rows, columns, x's row stride
+    R, C, sxr, sxc,  # rows, columns, x's strides
     n_cblocks,  # scale columns: ceil(C / 128)
     FP8_MAX: tl.constexpr,
     PER_ROW: tl.constexpr,  # 1 x 128 blocks (activations, gradients); else 128 x 128 (weights)
@@ -266,7 +266,8 @@ def _quantize_blocks_kernel(
     rows = pid_r * TILE_R + tl.arange(0, TILE_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=mask, other=0.0)
+    x = x.to(tl.float32)
     if PER_ROW:  # a scale per row of the tile
         top = tl.max(tl.abs(x), axis=1)
         scale = tl.where(top > 0, top / FP8_MAX, 1.0)
@@ -422,7 +423,8 @@ def _quantize_both(x: torch.Tensor, dtype: torch.dtype):
 
 
 def _quantize_blocks(x: torch.Tensor, block_rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    transposed = x.stride(0) == 1 and x.stride(1) != 1  # dy^T and x^T of the weight gradient: read in place
+    x = x if x.stride(-1) == 1 or transposed else x.contiguous()
     R, C = x.shape
     n_cblocks = triton.cdiv(C, BLOCK)
     host_cast = is_interpreting()
@@ -430,9 +432,10 @@ def _quantize_blocks(x: torch.Tensor, block_rows: int, dtype: torch.dtype) -> tu
     scales = torch.ones((R if block_rows == 1 else triton.cdiv(R, BLOCK), n_cblocks), device=x.device,
                         dtype=torch.float32)  # fmt: skip
     if R and C:
-        tile_r = BLOCK if block_rows == BLOCK else (16 if host_cast else 32)  # a weight's tile is its block
+        # a weight's tile is its block; a transposed view's tiles are taller: its rows are the contiguous side
+        tile_r = BLOCK if block_rows == BLOCK else (16 if host_cast else (64 if transposed else 32))
         _quantize_blocks_kernel[(triton.cdiv(R, tile_r), n_cblocks)](
-            x, q, scales, R, C, x.stride(0), n_cblocks, FP8_MAX=_fp8_max(dtype), PER_ROW=block_rows == 1,
+            x, q, scales, R, C, x.stride(0), x.stride(1), n_cblocks, FP8_MAX=_fp8_max(dtype), PER_ROW=block_rows == 1,
             TILE_R=tile_r, BLOCK_C=BLOCK, HOST_CAST=host_cast, num_warps=8 if tile_r == BLOCK else 4,
         )  # fmt: skip
     return q.to(dtype), scales
