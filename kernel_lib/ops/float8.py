@@ -44,8 +44,8 @@ Measured on an H200 (2026-11-29, torch 2.11, triton 3.6; ``benchmarks/bench_floa
 projections): the product alone reaches 745-858 TFLOP/s promoted and 996-1,137 fast, against cuBLAS's
 (``torch._scaled_mm``) 1,130-1,217 and 1,237-1,404 (bf16 cuBLAS 671-786); a layer's training step is 1.13-1.16x
 bf16 at the 14,336-wide projections and 0.74x at 4096 x 4096 (torchao's compiled ``Float8Linear``: 0.78-1.0x).
-Details and what is left: benchmarks/NOTES.md. The block-scaled recipe is tested on the CPU only (written
-2026-11-29): not yet run on a GPU.
+The block-scaled recipe, same GPU and run: its product 581-644 TFLOP/s (each 128-deep partial scaled in
+float32 serializes the tensor-core chain), its step 0.62x bf16. Details and what is left: benchmarks/NOTES.md.
 
 Registered as custom ops (``kernel_lib::float8_quantize``, ``float8_quantize_both``, ``float8_quantize_blocks``,
 ``float8_scaled_mm``, ``float8_scaled_mm_blocks``) with fake implementations, so ``torch.compile(fullgraph=True)``
