@@ -206,7 +206,13 @@ def variants(rows: list, lengths=(4096, 16384), D: int = 128, H: int = 16) -> No
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
     from kernel_lib import compile_attention_kernel, flex_attention_ref
+    from kernel_lib.ops.attention_variants import softcap
 
+    # one compiled graph per mask and score function: past dynamo's default of 8 recompiles, FlexAttention falls
+    # back to its unfused eager path (7-9 TFLOP/s on the H200), which would be no comparison
+    for limit in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
     flex = torch.compile(torch_flex, dynamic=False)
     for N in lengths:
         B = max(1, 16384 // N)
@@ -217,14 +223,18 @@ def variants(rows: list, lengths=(4096, 16384), D: int = 128, H: int = 16) -> No
             "sliding_window": ({"window_size": 1024}, lambda b, h, i, j: (j <= i) & (j > i - 1024), False),
             "document": ({"document_ids": doc}, lambda b, h, i, j, d=doc: (j <= i) & (d[b, i] == d[b, j]), True),
             "prefix_lm": ({"prefix_length": N // 4}, lambda b, h, i, j, p=N // 4: (j <= i) | (j < p), False),
+            "causal + softcap 50": ({"score_mod": softcap(50.0)}, lambda b, h, i, j: j <= i, False),
         }
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for pattern, (params, mask_mod, per_sequence) in patterns.items():
             theirs_mask = torch_block_mask(mask_mod, B if per_sequence else None, None, N, N, device="cuda")
-            ours_fn = compile_attention_kernel(pattern, **params)
+            ours_fn = compile_attention_kernel(pattern.split(" + ")[0], **params)
+            their_mod = (lambda score, b, h, i, j: 50.0 * torch.tanh(score / 50.0)) if "softcap" in pattern else None
             impls = {
                 "kernel_lib flex_attention": ours_fn,
-                "FlexAttention (compiled)": lambda q, k, v, m=theirs_mask: flex(q, k, v, block_mask=m),
+                "FlexAttention (compiled)": lambda q, k, v, m=theirs_mask, f=their_mod: flex(
+                    q, k, v, score_mod=f, block_mask=m
+                ),
             }
             if pattern in ("causal", "sliding_window"):
                 window = params.get("window_size")
@@ -237,7 +247,7 @@ def variants(rows: list, lengths=(4096, 16384), D: int = 128, H: int = 16) -> No
             fwd_flops = 4 * H * D * pairs
             tail = slice(N - 128, N)
             want = flex_attention_ref(q[:1, :1, tail].double(), k[:1, :1].double(), v[:1, :1].double(),
-                                      dense[:1, :1, tail])  # fmt: skip
+                                      dense[:1, :1, tail], score_mod=params.get("score_mod"))  # fmt: skip
             ours = ours_fn(q, k, v)
             for name, fn in impls.items():
                 out = fn(q, k, v)

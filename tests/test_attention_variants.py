@@ -10,12 +10,15 @@ import triton.language as tl  # noqa: F401 - Triton wants it visible where a jit
 from kernel_lib.ops import attention_variants as av
 from kernel_lib.ops.attention_variants import (
     PATTERNS,
+    ScoreMod,
+    alibi,
     compile_attention_kernel,
     create_block_mask,
     default_blocks,
     dense_mask,
     flex_attention,
     flex_attention_ref,
+    softcap,
 )
 
 
@@ -208,3 +211,114 @@ def test_under_torch_compile_it_runs_as_a_graph_break(device):
     q = torch.randn(1, 2, 40, 16, device=device, dtype=torch.float32 if device == "cpu" else torch.float16)
     compiled = torch.compile(lambda q: attend(q, q, q) * 2)
     torch.testing.assert_close(compiled(q), attend(q, q, q) * 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Score modifiers
+# --------------------------------------------------------------------------------------------------
+def _slopes(H: int, device) -> torch.Tensor:
+    return 2.0 ** (-8.0 * torch.arange(1, H + 1, device=device) / H)  # ALiBi's geometric slopes
+
+
+SCORE_CASES = [  # (modifier, pattern, B, Hq, Hkv, N, M)
+    ("softcap", "causal", 2, 4, 2, 100, 100),  # a cap of 0.5: most scores bent, so the slope 1 - tanh^2 matters
+    ("softcap", "sliding_window", 1, 2, 2, 90, 90),  # partial and full blocks both modified
+    ("alibi", "causal", 1, 4, 2, 70, 130),  # a bias by query head under GQA; M > N (queries at the end)
+    ("alibi", "document", 2, 2, 1, 120, 120),  # a captured tensor in the mask and in the modifier at once
+]
+
+
+@pytest.mark.parametrize("name, pattern, B, Hq, Hkv, N, M", SCORE_CASES, ids=lambda c: str(c))
+def test_score_mods_against_float64(device, name, pattern, B, Hq, Hkv, N, M):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    atol = 2e-2 if device == "cpu" else 3e-2
+    mod = softcap(0.5) if name == "softcap" else alibi(_slopes(Hq, device))
+    params = _params(pattern, B, N, device)
+    attend = compile_attention_kernel(pattern, score_mod=mod, **params)
+    q = torch.randn(B, Hq, N, 32, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, M, 32, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    out, lse = attend(q, k, v, return_lse=True)
+    mask = torch_mask(pattern, N, M, device, **params)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want, want_lse = flex_attention_ref(*inputs64, mask, return_lse=True, score_mod=mod)
+    plain = flex_attention_ref(*inputs64, mask)
+    assert (want - plain).abs().max() > 0.1  # the modifier changes the answer, so the check below can fail
+    _check(out, want, atol)
+    seen = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[seen].double(), want_lse[seen], atol=atol, rtol=0)
+    loss, want_loss = (out.float() * out.float()).sum() + lse.sum(), (want * want).sum() + want_lse.sum()
+    for got, exact in zip(torch.autograd.grad(loss, (q, k, v)), torch.autograd.grad(want_loss, inputs64), strict=True):
+        torch.testing.assert_close(got.double(), exact, atol=0.03 * exact.abs().max().item(), rtol=0)
+
+
+@triton.jit
+def _temperature(score, b, h, q_idx, kv_idx, captures):
+    """A user's modifier: scores divided by a temperature per head (captures: (temperatures (H,),)), slope 1/t."""
+    t = tl.load(captures[0] + h)
+    return score / t, 1.0 / t
+
+
+def test_a_score_mod_of_one_s_own_and_its_reference(device):
+    B, H, N = 1, 3, 64
+    temps = torch.tensor([0.5, 1.0, 2.0], device=device)
+    mod = ScoreMod(_temperature, (temps,), lambda s, b, h, i, j: s / temps.to(s)[h])
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    q, k, v = (torch.randn(B, H, N, 16, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    attend = compile_attention_kernel("causal", score_mod=mod)
+    out = attend(q, k, v)
+    # a temperature t is a scale of 1 / (t sqrt(D)): the plain kernel with that scale, head by head
+    for h in range(H):
+        plain = compile_attention_kernel("causal")(q[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1],
+                                                   scale=1 / (temps[h].item() * 4.0))  # fmt: skip
+        _check(out[:, h : h + 1], plain, 2e-3)
+    dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v))
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = flex_attention_ref(*inputs64, torch_mask("causal", N, N, device), score_mod=mod)
+    for got, exact in zip((dq, dk, dv), torch.autograd.grad(want.sum(), inputs64), strict=True):
+        _check(got, exact, 2e-2)
+
+
+def test_bad_score_mods_are_named(device):
+    q = torch.randn(1, 2, 16, 16, device=device)
+    bm = create_block_mask(av.causal_mask, None, None, 16, 16, (0,), device=device)
+    with pytest.raises(TypeError, match="score_mod must be a ScoreMod"):
+        flex_attention(q, q, q, bm, score_mod=lambda s: s)
+    with pytest.raises(TypeError, match="fn must be a @triton.jit"):
+        flex_attention(q, q, q, bm, score_mod=ScoreMod(lambda s: s))
+    with pytest.raises(ValueError, match="cap must be positive"):
+        softcap(0.0)
+    with pytest.raises(ValueError, match="slopes must have 1 dims"):
+        alibi(torch.ones(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softcap", "alibi"])
+def test_score_mods_model_sized_on_gpu_within_twice_pytorch_s_error(name):
+    """Gemma 2's cap (50) on scores scaled to reach it, and ALiBi's slopes, at N 2048, D 128: our error at most
+    twice PyTorch's own in bf16 (SDPA with the modified scores' bias where it is additive, the eager softmax
+    otherwise), forward and backward."""
+    B, H, N, D = 2, 8, 2048, 128
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+    mod = softcap(50.0) if name == "softcap" else alibi(_slopes(H, "cuda"))
+    scale = 8.0 if name == "softcap" else None  # scores of +-100 or so: the cap bends them
+    mask = torch_mask("causal", N, N, "cuda")
+    out = compile_attention_kernel("causal", score_mod=mod)(q, k, v, scale=scale)
+
+    def eager(q, k, v):  # PyTorch's own rounding: bf16 products, the modifier and softmax in float32
+        s = (q @ k.transpose(-1, -2)).float() * (scale or D**-0.5)
+        i, j = torch.arange(N, device="cuda")[:, None], torch.arange(N, device="cuda")[None, :]
+        s = mod.reference(s, 0, torch.arange(H, device="cuda")[:, None, None], i, j).masked_fill(~mask, -torch.inf)
+        return torch.softmax(s, -1).to(v.dtype) @ v
+
+    lowp = eager(q, k, v)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    exact = flex_attention_ref(*inputs64, mask, scale=scale, score_mod=mod)
+    for ours, theirs, want in zip(
+        (out, *torch.autograd.grad(out, (q, k, v), dout)),
+        (lowp, *torch.autograd.grad(lowp, (q, k, v), dout)),
+        (exact, *torch.autograd.grad(exact, inputs64, dout.double())),
+        strict=True,
+    ):
+        allowed = 2 * (theirs.double() - want).abs().max().item() + 1e-2
+        assert (ours.double() - want).abs().max().item() <= allowed

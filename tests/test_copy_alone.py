@@ -45,7 +45,7 @@ SMOKE = {
     "    try:\n        m.create_block_mask(m.causal_mask, None, None, 40, 40, (0,))\n"
     "    except RuntimeError as e:\n        assert 'TRITON_INTERPRET' in str(e)\n"
     "    else:\n        raise AssertionError('no error without Triton')\n"
-    "else:\n    attend = m.compile_attention_kernel('sliding_window', window_size=8)\n"
+    "else:\n    attend = m.compile_attention_kernel('sliding_window', window_size=8, score_mod=m.softcap(5.0))\n"
     "    x = q.half() if q.is_cuda else q\n    attend(x, x, x).float().sum().backward()",
     "grouped_mm.py": "x, w = torch.randn(6, 8, requires_grad=True), torch.randn(2, 8, 4)\n"
     "m.grouped_mm(x, w, torch.tensor([2, 6], dtype=torch.int32)).sum().backward()",

@@ -228,7 +228,12 @@ def _key_blocks(start_m, N, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAU
 def _fwd_block(acc, l_i, m_i, q, k, v, qk_scale, visible, MASK: tl.constexpr):
     """One key block of the online softmax: scores of q against k (base 2), -inf where not ``visible`` (when MASK),
     the running max, sum and output rescaled and updated with this block's probabilities times v."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+    return _fwd_scores(acc, l_i, m_i, tl.dot(q, tl.trans(k)) * qk_scale, v, visible, MASK)
+
+
+@triton.jit
+def _fwd_scores(acc, l_i, m_i, s, v, visible, MASK: tl.constexpr):
+    """_fwd_block from the block's base-2 scores s (BLOCK_M, BLOCK_N): the variants modify them first."""
     if MASK:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -405,11 +410,22 @@ def _attn_bwd_prep_kernel(
 def _dkdv_block(dk, dv, k, v, q, do, lse2, delta, qk_scale, visible_t, MASK: tl.constexpr):
     """One query block's share of dk and dv, transposed (keys along rows): P^T = 2^(k q^T - lse2), zero where not
     ``visible_t`` (BLOCK_N, BLOCK_M) when MASK; dv += P^T dout; dS^T = P^T (v dout^T - delta); dk += dS^T q."""
-    p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # (BLOCK_N, BLOCK_M)
+    s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M), base 2
+    return _dkdv_scores(dk, dv, s_t, 0.0, v, q, do, lse2, delta, visible_t, MASK, False)
+
+
+@triton.jit
+def _dkdv_scores(dk, dv, s_t, dmod_t, v, q, do, lse2, delta, visible_t, MASK: tl.constexpr, MOD: tl.constexpr):
+    """_dkdv_block from the base-2 scores s_t; MOD: dS^T is scaled by dmod_t, the score modifier's derivative."""
+    p_t = tl.math.exp2(s_t - lse2[None, :])
     if MASK:
         p_t = tl.where(visible_t, p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do)
     ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+    if MOD:
+        ds_t = ds_t * dmod_t
+        if MASK:  # the derivative may be anything where the mask hides the score (0 * inf is NaN)
+            ds_t = tl.where(visible_t, ds_t, 0.0)
     dk += tl.dot(ds_t.to(q.dtype), q)
     return dk, dv
 
@@ -537,10 +553,21 @@ def _attn_bwd_dkdv_kernel(
 def _dq_block(dq, q, do, lse2, delta, k, v, qk_scale, visible, MASK: tl.constexpr):
     """One key block's share of dq: P = 2^(q k^T - lse2), zero where not ``visible`` when MASK; dS = P (dout v^T -
     delta); dq += dS k."""
-    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+    return _dq_scores(dq, s, 0.0, k, v, do, lse2, delta, visible, MASK, False)
+
+
+@triton.jit
+def _dq_scores(dq, s, dmod, k, v, do, lse2, delta, visible, MASK: tl.constexpr, MOD: tl.constexpr):
+    """_dq_block from the base-2 scores s; MOD: dS is scaled by dmod, the score modifier's derivative."""
+    p = tl.math.exp2(s - lse2[:, None])
     if MASK:
         p = tl.where(visible, p, 0.0)
     ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    if MOD:
+        ds = ds * dmod
+        if MASK:  # the derivative may be anything where the mask hides the score (0 * inf is NaN)
+            ds = tl.where(visible, ds, 0.0)
     dq += tl.dot(ds.to(k.dtype), k)
     return dq
 

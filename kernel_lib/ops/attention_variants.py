@@ -20,6 +20,12 @@ requires it). Data flow:
    key blocks, dK/dV a program per key block over the query blocks that see it (the lists transposed), each
    applying ``mask_mod`` on partial blocks only; delta = rowsum(dout * out) is two PyTorch lines.
 
+Score modifiers (``score_mod``, a :class:`ScoreMod`): ``fn(score, b, h, q_idx, kv_idx, captures) -> (score',
+d score' / d score)`` changes each scaled score the mask lets through before the softmax; the forward uses the
+first value, the backward multiplies dS by the second (Triton has no autograd: the derivative is written with the
+function). ``softcap(cap)`` (Gemma 2's ``cap * tanh(score / cap)``) and ``alibi(slopes)`` (a linear bias per head)
+are made for you.
+
 Named patterns (``PATTERNS``: causal, sliding_window, document, prefix_lm) are mask functions with their captures
 made by ``compile_attention_kernel(pattern, **params)``, which returns a callable ``attend(q, k, v)`` that builds
 its block mask on first use for each shape. Tested against the float64 definition under Triton's interpreter and
@@ -43,8 +49,11 @@ import triton.language as tl
 from ._utils import check_same_device, check_same_dtype, check_tensor, is_interpreting, use_triton
 from .attention_kernels import (
     _dkdv_block,
+    _dkdv_scores,
     _dq_block,
+    _dq_scores,
     _fwd_block,
+    _fwd_scores,
     _head_base,
     _load_kv,
     _query_block,
@@ -60,6 +69,9 @@ __all__ = [
     "flex_attention_ref",
     "compile_attention_kernel",
     "PATTERNS",
+    "ScoreMod",
+    "softcap",
+    "alibi",
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # a block's state: no query sees a key of it; some do; every query sees every key
@@ -68,14 +80,22 @@ EMPTY, PARTIAL, FULL = 0, 1, 2  # a block's state: no query sees a key of it; so
 # --------------------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------------------
-def flex_attention_ref(q, k, v, mask: torch.Tensor, scale: Optional[float] = None, return_lse: bool = False):
-    """The definition with an explicit boolean ``mask`` broadcastable to (B, Hq, N, M), in float32 (float64 for
-    float64 input), out in q's dtype, lse in float32 (float64); a query that sees no key gives 0 and lse -inf."""
+def flex_attention_ref(q, k, v, mask: torch.Tensor, scale: Optional[float] = None, return_lse: bool = False,
+                       score_mod: Optional[ScoreMod] = None):  # fmt: skip
+    """The definition with an explicit boolean ``mask`` broadcastable to (B, Hq, N, M) and an optional score
+    modifier (its ``reference``), in float32 (float64 for float64 input), out in q's dtype, lse in float32
+    (float64); a query that sees no key gives 0 and lse -inf."""
     compute = torch.promote_types(q.dtype, torch.float32)
     group = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     kf, vf = (t.to(compute).repeat_interleave(group, dim=1) for t in (k, v))
-    scores = ((q.to(compute) @ kf.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
+    scores = (q.to(compute) @ kf.transpose(-1, -2)) * scale
+    if score_mod is not None:
+        B, H, N, M = scores.shape
+        b, h, i, j = (torch.arange(n, device=q.device).view(*([1] * d), n, *([1] * (3 - d)))
+                      for d, n in enumerate((B, H, N, M)))  # fmt: skip
+        scores = score_mod.reference(scores, b, h, i, j)
+    scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     out = (probs @ vf).to(q.dtype)
@@ -145,6 +165,52 @@ PATTERNS: dict[str, Callable] = {
 
 
 # --------------------------------------------------------------------------------------------------
+# Score modifiers: a function of the score with its derivative, and what it captures
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoreMod:
+    """A score modifier: ``fn(score, b, h, q_idx, kv_idx, captures) -> (new score, d new / d score)``, a
+    ``@triton.jit`` function of tiles (the score is q.k times the scale, float32); ``captures`` a tuple of tensors
+    and numbers as for a mask function; ``reference(scores, b, h, q_idx, kv_idx)`` the same in PyTorch on
+    broadcast index tensors (the float64 check and the CPU without Triton; None: no fallback). The derivative
+    is the caller's to write: Triton has no autograd. Captured tensors get no gradient."""
+
+    fn: Callable
+    captures: tuple = ()
+    reference: Optional[Callable] = None
+
+
+@triton.jit
+def softcap_score(score, b, h, q_idx, kv_idx, captures):
+    """cap * tanh(score / cap) and its slope 1 - tanh^2 (tanh from a sigmoid: Triton's interpreter has no tanh).
+    captures: (cap,)."""
+    t = 2.0 * tl.sigmoid(2.0 * score / captures[0]) - 1.0
+    return captures[0] * t, 1.0 - t * t
+
+
+@triton.jit
+def alibi_score(score, b, h, q_idx, kv_idx, captures):
+    """score + slope[h] * (kv_idx - q_idx), slope 1. captures: (slopes (Hq,) float32 contiguous,)."""
+    return score + tl.load(captures[0] + h) * (kv_idx - q_idx).to(tl.float32), 1.0
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Logit soft-capping (Gemma 2: ``cap * tanh(score / cap)`` on the scaled scores, cap 50)."""
+    if not cap > 0:
+        raise ValueError(f"cap must be positive, got {cap}")
+    cap = float(cap)
+    return ScoreMod(softcap_score, (cap,), lambda s, b, h, i, j: cap * torch.tanh(s / cap))
+
+
+def alibi(slopes: torch.Tensor) -> ScoreMod:
+    """ALiBi: a linear bias slope[h] * (kv_idx - q_idx) per query head (Press et al.; slopes (Hq,), e.g.
+    2^(-8 (h + 1) / Hq))."""
+    check_tensor(slopes, "slopes", ndim=1)
+    slopes = slopes.float().contiguous()
+    return ScoreMod(alibi_score, (slopes,), lambda s, b, h, i, j: s + slopes.to(s)[h] * (j - i).to(s))
+
+
+# --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
 @triton.jit
@@ -211,7 +277,15 @@ def _key_block(idx_ptr, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h
     visible = offs_n[None, :] < M
     if MASK:
         visible = _mod_visible(b, h, offs_m, offs_n, N, M, captures, MASK_MOD)
-    return k, v, visible
+    return k, v, visible, offs_n
+
+
+@triton.jit
+def _modded(raw, b, h, q_idx, kv_idx, N, M, scale, score_captures, SCORE_MOD: tl.constexpr):
+    """A tile's raw products q.k -> its base-2 scores after the score modifier, and the modifier's derivative;
+    q_idx and kv_idx broadcast to the tile, clamped into range as the mask function sees them."""
+    s, ds = SCORE_MOD(raw * scale, b, h, tl.minimum(q_idx, N - 1), tl.minimum(kv_idx, M - 1), score_captures)
+    return s * 1.4426950408889634, ds
 
 
 @triton.jit
@@ -219,16 +293,21 @@ def _flex_fwd_steps(
     acc, l_i, m_i, q,  # running output, sum and max of this program's queries; its q tile
     k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
     idx_ptr, count,  # the key blocks to visit: count indices from idx_ptr
-    b, h, N, M, qk_scale, captures,
+    b, h, N, M, scale, captures, score_captures,
     MASK: tl.constexpr,  # partial blocks: apply the mask function (and the key range)
-    MASK_MOD: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, HAS_MOD: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
-        k, v, visible = _key_block(idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h, N, M,
-                                   captures, MASK, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
-                                   BLOCK_DV)  # fmt: skip
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k, v, qk_scale, visible, MASK)
+        k, v, visible, offs_n = _key_block(idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h,
+                                           N, M, captures, MASK, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
+                                           BLOCK_DV)  # fmt: skip
+        if HAS_MOD:
+            s, _ = _modded(tl.dot(q, tl.trans(k)), b, h, offs_m[:, None], offs_n[None, :], N, M, scale,
+                           score_captures, SCORE_MOD)  # fmt: skip
+            acc, l_i, m_i = _fwd_scores(acc, l_i, m_i, s, v, visible, MASK)
+        else:
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k, v, scale * 1.4426950408889634, visible, MASK)
     return acc, l_i, m_i
 
 
@@ -237,15 +316,21 @@ def _flex_dq_steps(
     dq, q, do, lse2, delta,  # (BLOCK_M, BLOCK_DQK) float32 accumulator; this block's q, dout, lse2, delta
     k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
     idx_ptr, count,  # the key blocks to visit
-    b, h, N, M, qk_scale, captures,
-    MASK: tl.constexpr, MASK_MOD: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+    b, h, N, M, scale, captures, score_captures,
+    MASK: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, HAS_MOD: tl.constexpr,
+    DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
-        k, v, visible = _key_block(idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h, N, M,
-                                   captures, MASK, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
-                                   BLOCK_DV)  # fmt: skip
-        dq = _dq_block(dq, q, do, lse2, delta, k, v, qk_scale, visible, MASK)
+        k, v, visible, offs_n = _key_block(idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h,
+                                           N, M, captures, MASK, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
+                                           BLOCK_DV)  # fmt: skip
+        if HAS_MOD:
+            s, dmod = _modded(tl.dot(q, tl.trans(k)), b, h, offs_m[:, None], offs_n[None, :], N, M, scale,
+                              score_captures, SCORE_MOD)  # fmt: skip
+            dq = _dq_scores(dq, s, dmod, k, v, do, lse2, delta, visible, MASK, True)
+        else:
+            dq = _dq_block(dq, q, do, lse2, delta, k, v, scale * 1.4426950408889634, visible, MASK)
     return dq
 
 
@@ -254,8 +339,9 @@ def _flex_dkdv_steps(
     dk, dv, k, v,  # (BLOCK_N, ...) float32 accumulators; this program's key and value tiles
     q_base, do_base, lse2_base, delta_base, offs_n, offs_dk, offs_dv, sqn, son,
     idx_ptr, count,  # the query blocks to visit
-    b, h, N, M, qk_scale, captures,
-    MASK: tl.constexpr, MASK_MOD: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+    b, h, N, M, scale, captures, score_captures,
+    MASK: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, HAS_MOD: tl.constexpr,
+    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
     STEP_M: tl.constexpr,  # queries a step: a divisor of BLOCK_M (fewer live registers than a whole block)
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
@@ -267,7 +353,13 @@ def _flex_dkdv_steps(
         visible_t = offs_n[:, None] < M
         if MASK:
             visible_t = _mod_visible_t(b, h, offs_m, offs_n, N, M, captures, MASK_MOD)
-        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse2, delta, qk_scale, visible_t, MASK)
+        if HAS_MOD:  # rows past N read as 0, but a modified score of 0 need not be: mask them too
+            s_t, dmod_t = _modded(tl.dot(k, tl.trans(q)), b, h, offs_m[None, :], offs_n[:, None], N, M, scale,
+                                  score_captures, SCORE_MOD)  # fmt: skip
+            dk, dv = _dkdv_scores(dk, dv, s_t, dmod_t, v, q, do, lse2, delta, visible_t & (offs_m < N)[None, :],
+                                  True, True)  # fmt: skip
+        else:
+            dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse2, delta, scale * 1.4426950408889634, visible_t, MASK)
     return dk, dv
 
 
@@ -283,9 +375,11 @@ def _flex_fwd_kernel(
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,  # strides of q, k, v: batch, head, position
     sob, soh, son, slb, slh,  # strides of out and lse
     Hq, N, M, GROUP,  # query heads, lengths, query heads per key/value head
-    qk_scale,  # scale * log2(e)
+    scale,  # of the scores (natural units)
     captures,  # the mask function's tuple
+    score_captures,  # the score modifier's tuple
     MASK_MOD: tl.constexpr,
+    SCORE_MOD: tl.constexpr, HAS_MOD: tl.constexpr,  # the score modifier, and whether there is one
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -297,14 +391,13 @@ def _flex_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    acc, l_i, m_i = _flex_fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
-                                full_idx_ptr + row.to(tl.int64) * NK, tl.load(full_num_ptr + row), b, h, N, M,
-                                qk_scale, captures, False, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
-                                BLOCK_DV)  # fmt: skip
-    acc, l_i, m_i = _flex_fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
-                                part_idx_ptr + row.to(tl.int64) * NK, tl.load(part_num_ptr + row), b, h, N, M,
-                                qk_scale, captures, True, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
-                                BLOCK_DV)  # fmt: skip
+    for MASK in tl.static_range(2):  # the full key blocks, then the partial ones
+        num_ptr = full_num_ptr if MASK == 0 else part_num_ptr
+        idx_ptr = full_idx_ptr if MASK == 0 else part_idx_ptr
+        acc, l_i, m_i = _flex_fwd_steps(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
+                                        idx_ptr + row.to(tl.int64) * NK, tl.load(num_ptr + row), b, h, N, M, scale,
+                                        captures, score_captures, MASK == 1, MASK_MOD, SCORE_MOD, HAS_MOD, DOT_FP32,
+                                        BLOCK_N, D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
@@ -319,8 +412,8 @@ def _flex_dq_kernel(
     dq_ptr,  # output (B, Hq, N, D_QK), q's strides
     part_num_ptr, part_idx_ptr, full_num_ptr, full_idx_ptr, smb, smh, NK,  # the block mask, as in the forward
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,  # strides of q (and dq), k, v, dout
-    Hq, N, M, GROUP, scale, captures,
-    MASK_MOD: tl.constexpr,
+    Hq, N, M, GROUP, scale, captures, score_captures,
+    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, HAS_MOD: tl.constexpr,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -336,14 +429,14 @@ def _flex_dq_kernel(
     k_base = _head_base(k_ptr, b, h // GROUP, 0, skb, skh, skn, False)
     v_base = _head_base(v_ptr, b, h // GROUP, 0, svb, svh, svn, False)
     row = b * smb + h * smh + start_m // BLOCK_M
-    qk_scale = scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     for MASK in tl.static_range(2):  # the full key blocks, then the partial ones
         num_ptr = full_num_ptr if MASK == 0 else part_num_ptr
         idx_ptr = full_idx_ptr if MASK == 0 else part_idx_ptr
         dq = _flex_dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
-                            idx_ptr + row.to(tl.int64) * NK, tl.load(num_ptr + row), b, h, N, M, qk_scale, captures,
-                            MASK == 1, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+                            idx_ptr + row.to(tl.int64) * NK, tl.load(num_ptr + row), b, h, N, M, scale, captures,
+                            score_captures, MASK == 1, MASK_MOD, SCORE_MOD, HAS_MOD, DOT_FP32, BLOCK_N, D_QK, D_V,
+                            BLOCK_DQK, BLOCK_DV)  # fmt: skip
     _store_tile(_head_base(dq_ptr, b, h, 0, sqb, sqh, sqn, False), dq * scale, offs_m, sqn, N, offs_dk, D_QK,
                 BLOCK_DQK)  # fmt: skip
 
@@ -355,8 +448,8 @@ def _flex_dkdv_kernel(
     part_num_ptr, part_idx_ptr, full_num_ptr, full_idx_ptr,  # the block mask transposed: per (b', h', key block)
     smb, smh, NQ,  # its strides over (B', H') in key blocks, and an index row's length
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,  # strides of q, k (and dk), v (and dv), dout
-    Hq, Hkv, N, M, GROUP, scale, captures,
-    MASK_MOD: tl.constexpr,
+    Hq, Hkv, N, M, GROUP, scale, captures, score_captures,
+    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, HAS_MOD: tl.constexpr,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STEP_M: tl.constexpr,  # queries a step (see _flex_dkdv_steps)
@@ -370,7 +463,6 @@ def _flex_dkdv_kernel(
     k, v = _load_kv(k_base, v_base, offs_n, offs_dk, offs_dv, skn, svn, M, D_QK, D_V, BLOCK_DQK, BLOCK_DV, DOT_FP32)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    qk_scale = scale * 1.4426950408889634
     for g in range(0, GROUP):  # every query head reading this key/value head
         h = hk * GROUP + g
         q_base = _head_base(q_ptr, b, h, 0, sqb, sqh, sqn, False)
@@ -382,8 +474,9 @@ def _flex_dkdv_kernel(
             idx_ptr = full_idx_ptr if MASK == 0 else part_idx_ptr
             dk, dv = _flex_dkdv_steps(dk, dv, k, v, q_base, do_base, lse2_ptr + stats, delta_ptr + stats, offs_n,
                                       offs_dk, offs_dv, sqn, son, idx_ptr + row.to(tl.int64) * NQ,
-                                      tl.load(num_ptr + row), b, h, N, M, qk_scale, captures, MASK == 1, MASK_MOD,
-                                      DOT_FP32, BLOCK_M, STEP_M, D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+                                      tl.load(num_ptr + row), b, h, N, M, scale, captures, score_captures,
+                                      MASK == 1, MASK_MOD, SCORE_MOD, HAS_MOD, DOT_FP32, BLOCK_M, STEP_M, D_QK, D_V,
+                                      BLOCK_DQK, BLOCK_DV)  # fmt: skip
     _store_tile(_head_base(dk_ptr, b, hk, 0, skb, skh, skn, False), dk * scale, offs_n, skn, M, offs_dk, D_QK,
                 BLOCK_DQK)  # fmt: skip
     _store_tile(_head_base(dv_ptr, b, hk, 0, svb, svh, svn, False), dv, offs_n, svn, M, offs_dv, D_V, BLOCK_DV)
@@ -499,13 +592,14 @@ def dense_mask(block_mask: BlockMask) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # Launcher and autograd
 # --------------------------------------------------------------------------------------------------
-def _launch_args(q, k, v, block_mask: BlockMask) -> tuple[dict, tuple]:
+def _launch_args(q, k, v, block_mask: BlockMask, score_mod: Optional[ScoreMod]) -> tuple[dict, tuple]:
     """The constexprs and launch options every kernel of a call shares, and the block mask's row strides."""
     D, Dv = q.shape[-1], v.shape[-1]
     bm = block_mask.block_m
     warps, stages = (4, 1) if is_interpreting() else ((8, 3) if bm >= 128 else (4, 2))
     b_mask, h_mask = block_mask.part_num.shape[:2]
-    consts = dict(MASK_MOD=block_mask.mask_mod, D_QK=D, D_V=Dv, BLOCK_DQK=max(16, triton.next_power_of_2(D)),
+    consts = dict(MASK_MOD=block_mask.mask_mod, SCORE_MOD=score_mod.fn if score_mod else block_mask.mask_mod,
+                  HAS_MOD=score_mod is not None, D_QK=D, D_V=Dv, BLOCK_DQK=max(16, triton.next_power_of_2(D)),
                   BLOCK_DV=max(16, triton.next_power_of_2(Dv)), DOT_FP32=q.device.type == "cpu", BLOCK_M=bm,
                   BLOCK_N=block_mask.block_n, num_warps=warps, num_stages=stages)  # fmt: skip
     return consts, (b_mask > 1, h_mask > 1)
@@ -528,22 +622,22 @@ def _row_strides(lists: torch.Tensor, varies: tuple) -> tuple[int, int]:
     return (h_mask * blocks if varies[0] else 0), (blocks if varies[1] else 0)
 
 
-def _forward(q, k, v, block_mask: BlockMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, block_mask: BlockMask, scale: float, score_mod=None) -> tuple[torch.Tensor, torch.Tensor]:
     B, Hq, N, _ = q.shape
     out = torch.empty((B, Hq, N, v.shape[-1]), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
-    consts, varies = _launch_args(q, k, v, block_mask)
+    consts, varies = _launch_args(q, k, v, block_mask, score_mod)
     bmask = block_mask
     _flex_fwd_kernel[(triton.cdiv(N, bmask.block_m), B * Hq)](
         q, k, v, out, lse, bmask.part_num, bmask.part_idx, bmask.full_num, bmask.full_idx,
         *_row_strides(bmask.part_num, varies), bmask.part_idx.shape[-1], *q.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2], Hq, N, k.shape[2], Hq // k.shape[1],
-        scale * 1.4426950408889634, bmask.captures, **consts,
+        scale, bmask.captures, score_mod.captures if score_mod else (), **consts,
     )  # fmt: skip
     return out, lse
 
 
-def _backward(dout, dlse, q, k, v, out, lse, block_mask: BlockMask, scale: float):
+def _backward(dout, dlse, q, k, v, out, lse, block_mask: BlockMask, scale: float, score_mod=None):
     B, Hq, N, _ = q.shape
     Hkv, M = k.shape[1], k.shape[2]
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
@@ -554,47 +648,51 @@ def _backward(dout, dlse, q, k, v, out, lse, block_mask: BlockMask, scale: float
     lse2 = torch.where(torch.isfinite(lse), lse * 1.4426950408889634, float("inf")).contiguous()
     delta = delta.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    consts, varies = _launch_args(q, k, v, block_mask)
+    consts, varies = _launch_args(q, k, v, block_mask, score_mod)
     bmask = block_mask
+    mod_captures = score_mod.captures if score_mod else ()
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     _flex_dq_kernel[(triton.cdiv(N, bmask.block_m), B * Hq)](
         q, k, v, dout, lse2, delta, dq, bmask.part_num, bmask.part_idx, bmask.full_num, bmask.full_idx,
         *_row_strides(bmask.part_num, varies), bmask.part_idx.shape[-1], *strides, Hq, N, M, Hq // Hkv, scale,
-        bmask.captures, **consts,
+        bmask.captures, mod_captures, **consts,
     )  # fmt: skip
     consts.update(dkdv_launch(bmask.block_m, consts["BLOCK_DQK"] + consts["BLOCK_DV"]))
     _flex_dkdv_kernel[(triton.cdiv(M, bmask.block_n), B * Hkv)](
         q, k, v, dout, lse2, delta, dk, dv, bmask.q_part_num, bmask.q_part_idx, bmask.q_full_num,
         bmask.q_full_idx, *_row_strides(bmask.q_part_num, varies), bmask.q_part_idx.shape[-1], *strides, Hq, Hkv,
-        N, M, Hq // Hkv, scale, bmask.captures, **consts,
+        N, M, Hq // Hkv, scale, bmask.captures, mod_captures, **consts,
     )  # fmt: skip
     return dq, dk, dv
 
 
 class _FlexAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_mask, scale):
+    def forward(ctx, q, k, v, block_mask, scale, score_mod):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        out, lse = _forward(q, k, v, block_mask, scale)
+        out, lse = _forward(q, k, v, block_mask, scale, score_mod)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.block_mask, ctx.scale = block_mask, scale
+        ctx.block_mask, ctx.scale, ctx.score_mod = block_mask, scale, score_mod
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv = _backward(dout, dlse, *ctx.saved_tensors, ctx.block_mask, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _backward(dout, dlse, *ctx.saved_tensors, ctx.block_mask, ctx.scale, ctx.score_mod)
+        return dq, dk, dv, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
 # Functional API
 # --------------------------------------------------------------------------------------------------
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
-                   scale: Optional[float] = None, return_lse: bool = False):  # fmt: skip
+                   scale: Optional[float] = None, return_lse: bool = False,
+                   score_mod: Optional[ScoreMod] = None):  # fmt: skip
     """Attention of q (B, Hq, N, D) over k (B, Hkv, M, D) and v (B, Hkv, M, Dv) under ``block_mask`` (from
     :func:`create_block_mask` for these N and M, and for this B and Hq unless made for None); float16 or
-    bfloat16 (float32 on the CPU, interpreted). Returns out (B, Hq, N, Dv), and the natural-log log-sum-exp
-    (B, Hq, N) float32 with ``return_lse``. Differentiable in q, k, v (and through lse)."""
+    bfloat16 (float32 on the CPU, interpreted). ``score_mod``: a :class:`ScoreMod` applied to each scaled score
+    the mask lets through (:func:`softcap`, :func:`alibi`, or one of your own). Returns out (B, Hq, N, Dv), and
+    the natural-log log-sum-exp (B, Hq, N) float32 with ``return_lse``. Differentiable in q, k, v (and through
+    lse)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, ndim=4)
     check_same_dtype(q=q, k=k, v=v)
@@ -610,22 +708,35 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
     if (block_mask.N, block_mask.M) != (N, M) or b_mask not in (1, B) or h_mask not in (1, Hq):
         raise ValueError(f"the block mask was made for {block_mask.shape} (sequences, heads, N, M); these inputs "
                          f"are {B} sequences of {Hq} heads, N {N}, M {M}")  # fmt: skip
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        raise TypeError(f"score_mod must be a ScoreMod (softcap(...), alibi(...) or ScoreMod(fn, captures)), got "
+                        f"{type(score_mod).__name__}")  # fmt: skip
+    if score_mod is not None:
+        if not isinstance(score_mod.fn, _JIT_TYPES) or not isinstance(score_mod.captures, tuple):
+            raise TypeError("a ScoreMod's fn must be a @triton.jit function (score, b, h, q_idx, kv_idx, captures) "
+                            "and its captures a tuple")  # fmt: skip
+        check_same_device(q=q, **{f"score_mod.captures[{i}]": c for i, c in enumerate(score_mod.captures)
+                                  if isinstance(c, torch.Tensor)})  # fmt: skip
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not use_triton(q, op="flex_attention"):
-        return flex_attention_ref(q, k, v, dense_mask(block_mask), scale, return_lse)
-    out, lse = _apply(q, k, v, block_mask, scale)
+        if score_mod is not None and score_mod.reference is None:
+            raise RuntimeError("this score_mod has no PyTorch reference to run without Triton: set "
+                               "TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU")  # fmt: skip
+        return flex_attention_ref(q, k, v, dense_mask(block_mask), scale, return_lse, score_mod)
+    out, lse = _apply(q, k, v, block_mask, scale, score_mod)
     return (out, lse) if return_lse else out
 
 
 @torch.compiler.disable  # a graph break under torch.compile: the mask function is no op argument (yet)
-def _apply(q, k, v, block_mask, scale):
-    return _FlexAttention.apply(q, k, v, block_mask, scale)
+def _apply(q, k, v, block_mask, scale, score_mod):
+    return _FlexAttention.apply(q, k, v, block_mask, scale, score_mod)
 
 
-def compile_attention_kernel(pattern: str, **params) -> Callable:
+def compile_attention_kernel(pattern: str, score_mod: Optional[ScoreMod] = None, **params) -> Callable:
     """A callable ``attend(q, k, v, scale=None)`` for a named pattern of ``PATTERNS`` with its parameters
-    (``window_size`` for sliding_window, ``document_ids`` (B, N) for document, ``prefix_length`` for prefix_lm);
-    it builds the block mask for each new (N, M, device) on first use and keeps it."""
+    (``window_size`` for sliding_window, ``document_ids`` (B, N) for document, ``prefix_length`` for prefix_lm)
+    and an optional score modifier (e.g. ``softcap(50.0)``); it builds the block mask for each new (N, M, device)
+    on first use and keeps it."""
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {sorted(PATTERNS)}, got {pattern!r}")
     made: dict[tuple, BlockMask] = {}
@@ -637,7 +748,7 @@ def compile_attention_kernel(pattern: str, **params) -> Callable:
             per_sequence = pattern == "document"
             made[key] = create_block_mask(mask_mod, q.shape[0] if per_sequence else None, None, *key[:2],
                                           captures=captures, device=q.device)  # fmt: skip
-        return flex_attention(q, k, v, made[key], scale, return_lse)
+        return flex_attention(q, k, v, made[key], scale, return_lse, score_mod)
 
-    attend.pattern, attend.params = pattern, params
+    attend.pattern, attend.params, attend.score_mod = pattern, params, score_mod
     return attend
