@@ -50,9 +50,7 @@ from ._utils import check_same_device, check_same_dtype, check_tensor, is_interp
 from .attention_kernels import (
     _dkdv_block,
     _dkdv_scores,
-    _dq_block,
     _dq_scores,
-    _fwd_block,
     _fwd_scores,
     _head_base,
     _load_kv,
@@ -289,6 +287,26 @@ def _modded(raw, b, h, q_idx, kv_idx, N, M, scale, score_captures, SCORE_MOD: tl
 
 
 @triton.jit
+def _scored_block(
+    q, idx_ptr, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h, N, M, scale, captures, score_captures,
+    MASK: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, HAS_MOD: tl.constexpr,
+    DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """The key block at idx_ptr (``_key_block``) and q's base-2 scores against it, modified when HAS_MOD, with the
+    modifier's derivative (1 without one): what the forward and dQ steps share."""
+    k, v, visible, offs_n = _key_block(idx_ptr, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h, N, M,
+                                       captures, MASK, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
+                                       BLOCK_DV)  # fmt: skip
+    if HAS_MOD:
+        s, dmod = _modded(tl.dot(q, tl.trans(k)), b, h, offs_m[:, None], offs_n[None, :], N, M, scale,
+                          score_captures, SCORE_MOD)  # fmt: skip
+    else:
+        s, dmod = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634), 1.0
+    return k, v, visible, s, dmod
+
+
+@triton.jit
 def _flex_fwd_steps(
     acc, l_i, m_i, q,  # running output, sum and max of this program's queries; its q tile
     k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
@@ -299,15 +317,10 @@ def _flex_fwd_steps(
     BLOCK_N: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
-        k, v, visible, offs_n = _key_block(idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h,
-                                           N, M, captures, MASK, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
-                                           BLOCK_DV)  # fmt: skip
-        if HAS_MOD:
-            s, _ = _modded(tl.dot(q, tl.trans(k)), b, h, offs_m[:, None], offs_n[None, :], N, M, scale,
-                           score_captures, SCORE_MOD)  # fmt: skip
-            acc, l_i, m_i = _fwd_scores(acc, l_i, m_i, s, v, visible, MASK)
-        else:
-            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k, v, scale * 1.4426950408889634, visible, MASK)
+        k, v, visible, s, _ = _scored_block(q, idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b,
+                                            h, N, M, scale, captures, score_captures, MASK, MASK_MOD, SCORE_MOD,
+                                            HAS_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+        acc, l_i, m_i = _fwd_scores(acc, l_i, m_i, s, v, visible, MASK)
     return acc, l_i, m_i
 
 
@@ -322,15 +335,11 @@ def _flex_dq_steps(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
-        k, v, visible, offs_n = _key_block(idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b, h,
-                                           N, M, captures, MASK, MASK_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
-                                           BLOCK_DV)  # fmt: skip
-        if HAS_MOD:
-            s, dmod = _modded(tl.dot(q, tl.trans(k)), b, h, offs_m[:, None], offs_n[None, :], N, M, scale,
-                              score_captures, SCORE_MOD)  # fmt: skip
-            dq = _dq_scores(dq, s, dmod, k, v, do, lse2, delta, visible, MASK, True)
-        else:
-            dq = _dq_block(dq, q, do, lse2, delta, k, v, scale * 1.4426950408889634, visible, MASK)
+        k, v, visible, s, dmod = _scored_block(q, idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
+                                               b, h, N, M, scale, captures, score_captures, MASK, MASK_MOD,
+                                               SCORE_MOD, HAS_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
+                                               BLOCK_DV)  # fmt: skip
+        dq = _dq_scores(dq, s, dmod, k, v, do, lse2, delta, visible, MASK, HAS_MOD)
     return dq
 
 
