@@ -151,7 +151,7 @@ def test_bad_input_is_named(device):
     with pytest.raises(TypeError, match="one dtype"):
         flex_attention(q, q.half(), q, bm)
     with pytest.raises(ValueError, match="pattern must be one of"):
-        compile_attention_kernel("alibi")
+        compile_attention_kernel("dilated")
     with pytest.raises(ValueError, match="window_size"):
         compile_attention_kernel("sliding_window", window_size=0)(q, q, q)
     with pytest.raises(ValueError, match="document masking needs"):
@@ -276,6 +276,22 @@ def test_a_score_mod_of_one_s_own_and_its_reference(device):
     want = flex_attention_ref(*inputs64, torch_mask("causal", N, N, device), score_mod=mod)
     for got, exact in zip((dq, dk, dv), torch.autograd.grad(want.sum(), inputs64), strict=True):
         _check(got, exact, 2e-2)
+
+
+def test_named_scored_patterns_are_causal_with_their_modifier(device):
+    """'softcap' and 'alibi' as patterns: the causal mask with the modifier, ALiBi's slopes made for the heads."""
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    q, k, v = (torch.randn(1, 4, 50, 16, device=device, dtype=dtype) for _ in range(3))
+    pairs = [
+        (compile_attention_kernel("softcap", cap=2.0), compile_attention_kernel("causal", score_mod=softcap(2.0))),
+        (compile_attention_kernel("alibi"), compile_attention_kernel("causal", score_mod=alibi(_slopes(4, device)))),
+    ]
+    for named, spelled in pairs:
+        torch.testing.assert_close(named(q, k, v), spelled(q, k, v), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="its own score modifier"):
+        compile_attention_kernel("softcap", score_mod=softcap(2.0))
+    with pytest.raises(TypeError, match="takes slopes"):
+        compile_attention_kernel("alibi", cap=3.0)
 
 
 def test_bad_score_mods_are_named(device):

@@ -70,6 +70,8 @@ __all__ = [
     "ScoreMod",
     "softcap",
     "alibi",
+    "alibi_slopes",
+    "SCORED_PATTERNS",
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # a block's state: no query sees a key of it; some do; every query sees every key
@@ -741,23 +743,50 @@ def _apply(q, k, v, block_mask, scale, score_mod):
     return _FlexAttention.apply(q, k, v, block_mask, scale, score_mod)
 
 
+def alibi_slopes(heads: int, device=None) -> torch.Tensor:
+    """ALiBi's geometric slopes 2^(-8 (h + 1) / heads), float32 (Press et al. 2022)."""
+    return 2.0 ** (-8.0 * torch.arange(1, heads + 1, device=device, dtype=torch.float32) / heads)
+
+
+SCORED_PATTERNS = ("softcap", "alibi")  # causal attention with a score modifier: softcap(cap=50), alibi(slopes)
+
+
 def compile_attention_kernel(pattern: str, score_mod: Optional[ScoreMod] = None, **params) -> Callable:
-    """A callable ``attend(q, k, v, scale=None)`` for a named pattern of ``PATTERNS`` with its parameters
+    """A callable ``attend(q, k, v, scale=None)`` for a named pattern with its parameters: a mask of ``PATTERNS``
     (``window_size`` for sliding_window, ``document_ids`` (B, N) for document, ``prefix_length`` for prefix_lm)
-    and an optional score modifier (e.g. ``softcap(50.0)``); it builds the block mask for each new (N, M, device)
-    on first use and keeps it."""
-    if pattern not in PATTERNS:
-        raise ValueError(f"pattern must be one of {sorted(PATTERNS)}, got {pattern!r}")
+    with an optional score modifier (e.g. ``score_mod=softcap(50.0)``), or one of ``SCORED_PATTERNS``: causal
+    attention with ``softcap`` (``cap``, 50 by default) or ``alibi`` (``slopes`` (Hq,), by default
+    :func:`alibi_slopes` for the query heads of the first call). It builds the block mask for each new (N, M,
+    device) on first use and keeps it."""
+    if pattern not in PATTERNS and pattern not in SCORED_PATTERNS:
+        raise ValueError(f"pattern must be one of {sorted(PATTERNS) + list(SCORED_PATTERNS)}, got {pattern!r}")
+    if pattern in SCORED_PATTERNS:
+        if score_mod is not None:
+            raise ValueError(f"{pattern!r} is causal attention with its own score modifier: pass score_mod with a "
+                             "mask pattern (e.g. 'causal') instead")  # fmt: skip
+        extra = set(params) - {"cap" if pattern == "softcap" else "slopes"}
+        if extra:
+            raise TypeError(f"pattern {pattern!r} takes {'cap' if pattern == 'softcap' else 'slopes'}, not {extra}")
+        if pattern == "softcap":
+            score_mod = softcap(params.get("cap", 50.0))
+        elif params.get("slopes") is not None:
+            score_mod = alibi(params["slopes"])
+    mask_pattern = "causal" if pattern in SCORED_PATTERNS else pattern
     made: dict[tuple, BlockMask] = {}
+    mods: dict[tuple, ScoreMod] = {}
 
     def attend(q, k, v, scale=None, return_lse=False):
         key = (q.shape[2], k.shape[2], q.device)
         if key not in made:
-            mask_mod, captures = PATTERNS[pattern](q.shape[2], k.shape[2], **params)
+            mask_mod, captures = PATTERNS[mask_pattern](q.shape[2], k.shape[2],
+                                                        **({} if pattern in SCORED_PATTERNS else params))  # fmt: skip
             per_sequence = pattern == "document"
             made[key] = create_block_mask(mask_mod, q.shape[0] if per_sequence else None, None, *key[:2],
                                           captures=captures, device=q.device)  # fmt: skip
-        return flex_attention(q, k, v, made[key], scale, return_lse, score_mod)
+        mod = score_mod
+        if pattern == "alibi" and mod is None:  # slopes for these heads, made once per head count and device
+            mod = mods.setdefault((q.shape[1], q.device), alibi(alibi_slopes(q.shape[1], q.device)))
+        return flex_attention(q, k, v, made[key], scale, return_lse, mod)
 
     attend.pattern, attend.params, attend.score_mod = pattern, params, score_mod
     return attend
