@@ -338,3 +338,48 @@ def test_score_mods_model_sized_on_gpu_within_twice_pytorch_s_error(name):
     ):
         allowed = 2 * (theirs.double() - want).abs().max().item() + 1e-2
         assert (ours.double() - want).abs().max().item() <= allowed
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention sinks
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "pattern, N, M, mod",
+    [
+        ("causal", 70, 50, None),  # N > M: 20 queries see no key, only the sink: out 0, lse the sink
+        ("sliding_window", 90, 90, None),  # gpt-oss: sinks with a sliding window
+        ("causal", 64, 64, "softcap"),  # a sink and a score modifier together
+    ],
+    ids=str,
+)
+def test_sinks_against_float64(device, pattern, N, M, mod):
+    B, Hq, Hkv = 2, 4, 2
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    params = _params(pattern, B, N, device)
+    score_mod = softcap(0.5) if mod else None
+    attend = compile_attention_kernel(pattern, score_mod=score_mod, **params)
+    q = torch.randn(B, Hq, N, 32, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, M, 32, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    sinks = (torch.randn(Hq, device=device) * 2).requires_grad_()  # logits from -4 to 4: from no effect to most
+    out, lse = attend(q, k, v, return_lse=True, sinks=sinks)
+    mask = torch_mask(pattern, N, M, device, **params)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    want, want_lse = flex_attention_ref(*inputs64[:3], mask, return_lse=True, score_mod=score_mod, sinks=inputs64[3])
+    _check(out, want, 2e-2 if device == "cpu" else 3e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-2, rtol=0)  # finite everywhere: the sink is seen
+    if N > M:
+        assert (out[:, :, : N - M] == 0).all()
+    dout = torch.randn_like(out)
+    loss, want_loss = (out * dout).float().sum() + lse.sum(), (want * dout.double()).sum() + want_lse.sum()
+    grads = torch.autograd.grad(loss, (q, k, v, sinks))
+    for got, exact in zip(grads, torch.autograd.grad(want_loss, inputs64), strict=True):
+        torch.testing.assert_close(got.double(), exact, atol=0.03 * exact.abs().max().item(), rtol=0)
+
+
+def test_bad_sinks_are_named(device):
+    q = torch.randn(1, 2, 16, 16, device=device)
+    bm = create_block_mask(av.causal_mask, None, None, 16, 16, (0,), device=device)
+    with pytest.raises(ValueError, match=r"one logit per query head \(2,\)"):
+        flex_attention(q, q, q, bm, sinks=torch.zeros(3, device=device))
+    with pytest.raises(ValueError, match="sinks must have 1 dims"):
+        flex_attention(q, q, q, bm, sinks=torch.zeros(1, 2, device=device))

@@ -24,7 +24,9 @@ Score modifiers (``score_mod``, a :class:`ScoreMod`): ``fn(score, b, h, q_idx, k
 d score' / d score)`` changes each scaled score the mask lets through before the softmax; the forward uses the
 first value, the backward multiplies dS by the second (Triton has no autograd: the derivative is written with the
 function). ``softcap(cap)`` (Gemma 2's ``cap * tanh(score / cap)``) and ``alibi(slopes)`` (a linear bias per head)
-are made for you.
+are made for you. Attention sinks (``sinks``, gpt-oss): a learned logit per query head that joins every query's
+softmax as a key with a zero value; the forward folds it into the running sum at the end, its gradient
+-sum_i exp(sink - lse_i) delta_i is two PyTorch lines (tested under the interpreter only, not yet on a GPU).
 
 Named patterns (``PATTERNS``: causal, sliding_window, document, prefix_lm) are mask functions with their captures
 made by ``compile_attention_kernel(pattern, **params)``, which returns a callable ``attend(q, k, v)`` that builds
@@ -81,10 +83,11 @@ EMPTY, PARTIAL, FULL = 0, 1, 2  # a block's state: no query sees a key of it; so
 # Reference
 # --------------------------------------------------------------------------------------------------
 def flex_attention_ref(q, k, v, mask: torch.Tensor, scale: Optional[float] = None, return_lse: bool = False,
-                       score_mod: Optional[ScoreMod] = None):  # fmt: skip
-    """The definition with an explicit boolean ``mask`` broadcastable to (B, Hq, N, M) and an optional score
-    modifier (its ``reference``), in float32 (float64 for float64 input), out in q's dtype, lse in float32
-    (float64); a query that sees no key gives 0 and lse -inf."""
+                       score_mod: Optional[ScoreMod] = None, sinks: Optional[torch.Tensor] = None):  # fmt: skip
+    """The definition with an explicit boolean ``mask`` broadcastable to (B, Hq, N, M), an optional score modifier
+    (its ``reference``) and optional sinks (Hq,): a logit per head in every query's softmax with a zero value. In
+    float32 (float64 for float64 input), out in q's dtype, lse in float32 (float64); a query that sees no key gives
+    0 and lse -inf (lse = the sink with sinks)."""
     compute = torch.promote_types(q.dtype, torch.float32)
     group = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -97,6 +100,8 @@ def flex_attention_ref(q, k, v, mask: torch.Tensor, scale: Optional[float] = Non
         scores = score_mod.reference(scores, b, h, i, j)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(compute)[None, :, None])
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     out = (probs @ vf).to(q.dtype)
     return (out, lse if compute == torch.float64 else lse.float()) if return_lse else out
@@ -379,6 +384,7 @@ def _flex_fwd_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D_QK), (B, Hkv, M, D_QK), (B, Hkv, M, D_V); unit stride along the head dim
     out_ptr,  # (B, Hq, N, D_V), q's dtype
     lse_ptr,  # (B, Hq, N) float32, natural log, unit stride along positions
+    sinks_ptr,  # (Hq,) float32: a logit per head that every query sees, with a zero value (when HAS_SINK)
     part_num_ptr, part_idx_ptr,  # the block mask: per (b', h', query block) the count and indices of partial blocks
     full_num_ptr, full_idx_ptr,  # and of full blocks; indices rows of NK
     smb, smh,  # the block mask's strides over its (B', H') rows, in query blocks (0 where it broadcasts)
@@ -391,6 +397,7 @@ def _flex_fwd_kernel(
     score_captures,  # the score modifier's tuple
     MASK_MOD: tl.constexpr,
     SCORE_MOD: tl.constexpr, HAS_MOD: tl.constexpr,  # the score modifier, and whether there is one
+    HAS_SINK: tl.constexpr,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -409,6 +416,13 @@ def _flex_fwd_kernel(
                                         idx_ptr + row.to(tl.int64) * NK, tl.load(num_ptr + row), b, h, N, M, scale,
                                         captures, score_captures, MASK == 1, MASK_MOD, SCORE_MOD, HAS_MOD, DOT_FP32,
                                         BLOCK_N, D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
+    if HAS_SINK:  # the sink joins the softmax's sum as one more key, its value 0: out shrinks, lse grows
+        sink2 = tl.load(sinks_ptr + h) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink2)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.math.exp2(sink2 - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
@@ -633,17 +647,18 @@ def _row_strides(lists: torch.Tensor, varies: tuple) -> tuple[int, int]:
     return (h_mask * blocks if varies[0] else 0), (blocks if varies[1] else 0)
 
 
-def _forward(q, k, v, block_mask: BlockMask, scale: float, score_mod=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, block_mask: BlockMask, scale: float, score_mod=None, sinks=None):
     B, Hq, N, _ = q.shape
     out = torch.empty((B, Hq, N, v.shape[-1]), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
     consts, varies = _launch_args(q, k, v, block_mask, score_mod)
     bmask = block_mask
     _flex_fwd_kernel[(triton.cdiv(N, bmask.block_m), B * Hq)](
-        q, k, v, out, lse, bmask.part_num, bmask.part_idx, bmask.full_num, bmask.full_idx,
+        q, k, v, out, lse, lse if sinks is None else sinks, bmask.part_num, bmask.part_idx, bmask.full_num,
+        bmask.full_idx,
         *_row_strides(bmask.part_num, varies), bmask.part_idx.shape[-1], *q.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2], Hq, N, k.shape[2], Hq // k.shape[1],
-        scale, bmask.captures, score_mod.captures if score_mod else (), **consts,
+        scale, bmask.captures, score_mod.captures if score_mod else (), HAS_SINK=sinks is not None, **consts,
     )  # fmt: skip
     return out, lse
 
@@ -674,22 +689,30 @@ def _backward(dout, dlse, q, k, v, out, lse, block_mask: BlockMask, scale: float
         bmask.q_full_idx, *_row_strides(bmask.q_part_num, varies), bmask.q_part_idx.shape[-1], *strides, Hq, Hkv,
         N, M, Hq // Hkv, scale, bmask.captures, mod_captures, **consts,
     )  # fmt: skip
-    return dq, dk, dv
+    return dq, dk, dv, delta
 
 
 class _FlexAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_mask, scale, score_mod):
+    def forward(ctx, q, k, v, block_mask, scale, score_mod, sinks):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        out, lse = _forward(q, k, v, block_mask, scale, score_mod)
-        ctx.save_for_backward(q, k, v, out, lse)
+        sinks32 = None if sinks is None else sinks.float().contiguous()
+        out, lse = _forward(q, k, v, block_mask, scale, score_mod, sinks32)
+        ctx.save_for_backward(q, k, v, out, lse, sinks32)
         ctx.block_mask, ctx.scale, ctx.score_mod = block_mask, scale, score_mod
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv = _backward(dout, dlse, *ctx.saved_tensors, ctx.block_mask, ctx.scale, ctx.score_mod)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, sinks32 = ctx.saved_tensors
+        dq, dk, dv, delta = _backward(dout, dlse, q, k, v, out, lse, ctx.block_mask, ctx.scale, ctx.score_mod)
+        dsinks = None
+        if sinks32 is not None and ctx.needs_input_grad[6]:
+            # the sink is a key whose value is 0: d loss / d sink = -sum over queries of P_sink * delta, delta the
+            # backward's rowsum(dout * out) - dlse, P_sink = exp(sink - lse)
+            dsinks = -(torch.exp(sinks32[None, :, None] - lse) * delta).sum(dim=(0, 2)).to(ctx.sinks_dtype)
+        return dq, dk, dv, None, None, None, dsinks
 
 
 # --------------------------------------------------------------------------------------------------
@@ -697,13 +720,14 @@ class _FlexAttention(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
                    scale: Optional[float] = None, return_lse: bool = False,
-                   score_mod: Optional[ScoreMod] = None):  # fmt: skip
+                   score_mod: Optional[ScoreMod] = None, sinks: Optional[torch.Tensor] = None):  # fmt: skip
     """Attention of q (B, Hq, N, D) over k (B, Hkv, M, D) and v (B, Hkv, M, Dv) under ``block_mask`` (from
     :func:`create_block_mask` for these N and M, and for this B and Hq unless made for None); float16 or
     bfloat16 (float32 on the CPU, interpreted). ``score_mod``: a :class:`ScoreMod` applied to each scaled score
-    the mask lets through (:func:`softcap`, :func:`alibi`, or one of your own). Returns out (B, Hq, N, Dv), and
-    the natural-log log-sum-exp (B, Hq, N) float32 with ``return_lse``. Differentiable in q, k, v (and through
-    lse)."""
+    the mask lets through (:func:`softcap`, :func:`alibi`, or one of your own). ``sinks`` (Hq,): attention sinks,
+    a learned logit per query head that joins every query's softmax with a zero value (gpt-oss). Returns out (B,
+    Hq, N, Dv), and the natural-log log-sum-exp (B, Hq, N) float32 with ``return_lse``. Differentiable in q, k, v
+    and sinks (and through lse)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, ndim=4)
     check_same_dtype(q=q, k=k, v=v)
@@ -728,19 +752,25 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
                             "and its captures a tuple")  # fmt: skip
         check_same_device(q=q, **{f"score_mod.captures[{i}]": c for i, c in enumerate(score_mod.captures)
                                   if isinstance(c, torch.Tensor)})  # fmt: skip
+    if sinks is not None:
+        check_tensor(sinks, "sinks", ndim=1)
+        check_same_device(q=q, sinks=sinks)
+        if sinks.shape[0] != Hq or not sinks.is_floating_point():
+            raise ValueError(f"sinks must be a floating tensor of one logit per query head ({Hq},), got "
+                             f"{sinks.dtype} of shape {tuple(sinks.shape)}")  # fmt: skip
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not use_triton(q, op="flex_attention"):
         if score_mod is not None and score_mod.reference is None:
             raise RuntimeError("this score_mod has no PyTorch reference to run without Triton: set "
                                "TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU")  # fmt: skip
-        return flex_attention_ref(q, k, v, dense_mask(block_mask), scale, return_lse, score_mod)
-    out, lse = _apply(q, k, v, block_mask, scale, score_mod)
+        return flex_attention_ref(q, k, v, dense_mask(block_mask), scale, return_lse, score_mod, sinks)
+    out, lse = _apply(q, k, v, block_mask, scale, score_mod, sinks)
     return (out, lse) if return_lse else out
 
 
 @torch.compiler.disable  # a graph break under torch.compile: the mask function is no op argument (yet)
-def _apply(q, k, v, block_mask, scale, score_mod):
-    return _FlexAttention.apply(q, k, v, block_mask, scale, score_mod)
+def _apply(q, k, v, block_mask, scale, score_mod, sinks):
+    return _FlexAttention.apply(q, k, v, block_mask, scale, score_mod, sinks)
 
 
 def alibi_slopes(heads: int, device=None) -> torch.Tensor:
@@ -752,12 +782,12 @@ SCORED_PATTERNS = ("softcap", "alibi")  # causal attention with a score modifier
 
 
 def compile_attention_kernel(pattern: str, score_mod: Optional[ScoreMod] = None, **params) -> Callable:
-    """A callable ``attend(q, k, v, scale=None)`` for a named pattern with its parameters: a mask of ``PATTERNS``
-    (``window_size`` for sliding_window, ``document_ids`` (B, N) for document, ``prefix_length`` for prefix_lm)
-    with an optional score modifier (e.g. ``score_mod=softcap(50.0)``), or one of ``SCORED_PATTERNS``: causal
-    attention with ``softcap`` (``cap``, 50 by default) or ``alibi`` (``slopes`` (Hq,), by default
-    :func:`alibi_slopes` for the query heads of the first call). It builds the block mask for each new (N, M,
-    device) on first use and keeps it."""
+    """A callable ``attend(q, k, v, scale=None, return_lse=False, sinks=None)`` for a named pattern with its
+    parameters: a mask of ``PATTERNS`` (``window_size`` for sliding_window, ``document_ids`` (B, N) for document,
+    ``prefix_length`` for prefix_lm) with an optional score modifier (e.g. ``score_mod=softcap(50.0)``), or one of
+    ``SCORED_PATTERNS``: causal attention with ``softcap`` (``cap``, 50 by default) or ``alibi`` (``slopes``
+    (Hq,), by default :func:`alibi_slopes` for the query heads of the first call). It builds the block mask for
+    each new (N, M, device) on first use and keeps it; ``sinks`` as in :func:`flex_attention`."""
     if pattern not in PATTERNS and pattern not in SCORED_PATTERNS:
         raise ValueError(f"pattern must be one of {sorted(PATTERNS) + list(SCORED_PATTERNS)}, got {pattern!r}")
     if pattern in SCORED_PATTERNS:
@@ -775,7 +805,7 @@ def compile_attention_kernel(pattern: str, score_mod: Optional[ScoreMod] = None,
     made: dict[tuple, BlockMask] = {}
     mods: dict[tuple, ScoreMod] = {}
 
-    def attend(q, k, v, scale=None, return_lse=False):
+    def attend(q, k, v, scale=None, return_lse=False, sinks=None):
         key = (q.shape[2], k.shape[2], q.device)
         if key not in made:
             mask_mod, captures = PATTERNS[mask_pattern](q.shape[2], k.shape[2],
@@ -786,7 +816,7 @@ def compile_attention_kernel(pattern: str, score_mod: Optional[ScoreMod] = None,
         mod = score_mod
         if pattern == "alibi" and mod is None:  # slopes for these heads, made once per head count and device
             mod = mods.setdefault((q.shape[1], q.device), alibi(alibi_slopes(q.shape[1], q.device)))
-        return flex_attention(q, k, v, made[key], scale, return_lse, mod)
+        return flex_attention(q, k, v, made[key], scale, return_lse, mod, sinks)
 
     attend.pattern, attend.params, attend.score_mod = pattern, params, score_mod
     return attend
