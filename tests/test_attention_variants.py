@@ -18,6 +18,7 @@ from kernel_lib.ops.attention_variants import (
     dense_mask,
     flex_attention,
     flex_attention_ref,
+    relative_bias,
     softcap,
 )
 
@@ -383,3 +384,49 @@ def test_bad_sinks_are_named(device):
         flex_attention(q, q, q, bm, sinks=torch.zeros(3, device=device))
     with pytest.raises(ValueError, match="sinks must have 1 dims"):
         flex_attention(q, q, q, bm, sinks=torch.zeros(1, 2, device=device))
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradients into captured tensors: a learned relative-position bias
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "pattern, Hq, Hkv, N, M, R",
+    [
+        ("causal", 4, 2, 100, 100, 6),  # GQA; distances past 6 clamp: the two end buckets collect many pairs
+        ("sliding_window", 2, 2, 90, 90, 40),  # R beyond the window: the buckets past it get no gradient
+        ("causal", 2, 1, 50, 80, 3),  # M > N
+    ],
+    ids=str,
+)
+def test_relative_bias_and_its_table_gradient_against_float64(device, pattern, Hq, Hkv, N, M, R):
+    B = 2
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    params = _params(pattern, B, N, device)
+    table = torch.randn(Hq, 2 * R + 1, device=device, requires_grad=True)
+    attend = compile_attention_kernel(pattern, score_mod=relative_bias(table), **params)
+    q = torch.randn(B, Hq, N, 32, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, M, 32, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    out, lse = attend(q, k, v, return_lse=True)
+    mask = torch_mask(pattern, N, M, device, **params)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v, table)]
+    want, want_lse = flex_attention_ref(*inputs64[:3], mask, return_lse=True, score_mod=relative_bias(inputs64[3]))
+    _check(out, want, 2e-2 if device == "cpu" else 3e-2)
+    dout = torch.randn_like(out)
+    loss, want_loss = (out * dout).float().sum() + lse.sum(), (want * dout.double()).sum() + want_lse.sum()
+    grads = torch.autograd.grad(loss, (q, k, v, table))
+    want_grads = torch.autograd.grad(want_loss, inputs64)
+    assert want_grads[3].abs().max() > 1  # the table's gradient is not trivially zero
+    for got, exact in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got.double(), exact, atol=0.03 * exact.abs().max().item(), rtol=0)
+
+
+def test_a_learned_capture_needs_a_grad_fn(device):
+    q = torch.randn(1, 2, 16, 16, device=device)
+    bm = create_block_mask(av.causal_mask, None, None, 16, 16, (0,), device=device)
+    temps = torch.ones(2, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="has no grad_fn"):
+        flex_attention(q, q, q, bm, score_mod=ScoreMod(_temperature, (temps,)))
+    frozen = ScoreMod(_temperature, (temps.detach(),))  # detached: no gradient asked, none refused
+    assert flex_attention(q, q, q, bm, score_mod=frozen).shape == q.shape
+    with pytest.raises(ValueError, match="contiguous"):
+        relative_bias(torch.zeros(5, 2, device=device).t())

@@ -554,22 +554,25 @@ def _dq_block(dq, q, do, lse2, delta, k, v, qk_scale, visible, MASK: tl.constexp
     """One key block's share of dq: P = 2^(q k^T - lse2), zero where not ``visible`` when MASK; dS = P (dout v^T -
     delta); dq += dS k."""
     s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
-    return _dq_scores(dq, s, 0.0, k, v, do, lse2, delta, visible, MASK, False)
+    dq, _ = _dq_scores(dq, s, 0.0, k, v, do, lse2, delta, visible, MASK, False)
+    return dq
 
 
 @triton.jit
 def _dq_scores(dq, s, dmod, k, v, do, lse2, delta, visible, MASK: tl.constexpr, MOD: tl.constexpr):
-    """_dq_block from the base-2 scores s; MOD: dS is scaled by dmod, the score modifier's derivative."""
+    """_dq_block from the base-2 scores s; MOD: dS is scaled by dmod, the score modifier's derivative. Returns dq
+    and dS before that scaling (the gradient of the modified score: what a modifier's captured tensors need)."""
     p = tl.math.exp2(s - lse2[:, None])
     if MASK:
         p = tl.where(visible, p, 0.0)
-    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    ds_mod = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    ds = ds_mod
     if MOD:
         ds = ds * dmod
         if MASK:  # the derivative may be anything where the mask hides the score (0 * inf is NaN)
             ds = tl.where(visible, ds, 0.0)
     dq += tl.dot(ds.to(k.dtype), k)
-    return dq
+    return dq, ds_mod
 
 
 @triton.jit

@@ -24,7 +24,9 @@ Score modifiers (``score_mod``, a :class:`ScoreMod`): ``fn(score, b, h, q_idx, k
 d score' / d score)`` changes each scaled score the mask lets through before the softmax; the forward uses the
 first value, the backward multiplies dS by the second (Triton has no autograd: the derivative is written with the
 function). ``softcap(cap)`` (Gemma 2's ``cap * tanh(score / cap)``) and ``alibi(slopes)`` (a linear bias per head)
-are made for you. Attention sinks (``sinks``, gpt-oss): a learned logit per query head that joins every query's
+are made for you, and ``relative_bias(table)``, a learned bias by relative position whose table gets its gradient:
+a ScoreMod's ``grad_fn`` adds the loss's gradient of each modified score into its captured tensors' buffers (the
+dQ kernel visits every pair once; atomics, as FlexAttention's captured-buffer gradients). Attention sinks (``sinks``, gpt-oss): a learned logit per query head that joins every query's
 softmax as a key with a zero value; the forward folds it into the running sum at the end, its gradient
 -sum_i exp(sink - lse_i) delta_i is two PyTorch lines (tested under the interpreter only, not yet on a GPU).
 
@@ -73,6 +75,7 @@ __all__ = [
     "softcap",
     "alibi",
     "alibi_slopes",
+    "relative_bias",
     "SCORED_PATTERNS",
 ]
 
@@ -178,11 +181,23 @@ class ScoreMod:
     ``@triton.jit`` function of tiles (the score is q.k times the scale, float32); ``captures`` a tuple of tensors
     and numbers as for a mask function; ``reference(scores, b, h, q_idx, kv_idx)`` the same in PyTorch on
     broadcast index tensors (the float64 check and the CPU without Triton; None: no fallback). The derivative
-    is the caller's to write: Triton has no autograd. Captured tensors get no gradient."""
+    is the caller's to write: Triton has no autograd.
+
+    Captured tensors that require grad get one when ``grad_fn(ds, b, h, q_idx, kv_idx, captures, grads)`` is
+    given: ``ds`` is the loss's gradient with respect to each modified score (a tile, zero where masked), ``grads``
+    the tuple of ``captures`` with a float32 gradient buffer in place of each tensor that requires grad (0 for
+    the others); ``grad_fn`` adds its share into them (``tl.atomic_add``: tiles of many programs meet there).
+    Without ``grad_fn``, a captured tensor that requires grad is refused."""
 
     fn: Callable
     captures: tuple = ()
     reference: Optional[Callable] = None
+    grad_fn: Optional[Callable] = None
+
+    @property
+    def learned(self) -> tuple[int, ...]:
+        """The positions in ``captures`` of the tensors that require grad."""
+        return tuple(i for i, c in enumerate(self.captures) if isinstance(c, torch.Tensor) and c.requires_grad)
 
 
 @triton.jit
@@ -197,6 +212,35 @@ def softcap_score(score, b, h, q_idx, kv_idx, captures):
 def alibi_score(score, b, h, q_idx, kv_idx, captures):
     """score + slope[h] * (kv_idx - q_idx), slope 1. captures: (slopes (Hq,) float32 contiguous,)."""
     return score + tl.load(captures[0] + h) * (kv_idx - q_idx).to(tl.float32), 1.0
+
+
+@triton.jit
+def relative_bias_score(score, b, h, q_idx, kv_idx, captures):
+    """score + table[h, clamp(kv_idx - q_idx, -R, R) + R], slope 1. captures: (table (Hq, 2R + 1), R)."""
+    rel = tl.minimum(tl.maximum(kv_idx - q_idx, -captures[1]), captures[1]) + captures[1]
+    return score + tl.load(captures[0] + h * (2 * captures[1] + 1) + rel).to(tl.float32), 1.0
+
+
+@triton.jit
+def relative_bias_grad(ds, b, h, q_idx, kv_idx, captures, grads):
+    """d loss / d table[h, r] = the sum of ds over the pairs at relative position r: one atomic add a pair."""
+    rel = tl.minimum(tl.maximum(kv_idx - q_idx, -captures[1]), captures[1]) + captures[1]
+    tl.atomic_add(grads[0] + h * (2 * captures[1] + 1) + rel, ds)
+
+
+def relative_bias(table: torch.Tensor) -> ScoreMod:
+    """A learned bias by relative position (T5's idea without the buckets): ``table`` (Hq, 2R + 1), contiguous,
+    entry R + d for a key d positions after the query, distances past R clamped. The table is captured as it is
+    (an optimizer's in-place updates are seen) and gets its gradient when it requires grad."""
+    check_tensor(table, "table", ndim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+    if not table.is_contiguous() or table.shape[1] % 2 != 1:
+        raise ValueError(f"table must be contiguous (Hq, 2R + 1), got shape {tuple(table.shape)}")
+    R = table.shape[1] // 2
+
+    def reference(s, b, h, i, j):
+        return s + table.to(s.dtype)[h, (j - i).clamp(-R, R) + R]
+
+    return ScoreMod(relative_bias_score, (table, R), reference, relative_bias_grad)
 
 
 def softcap(cap: float) -> ScoreMod:
@@ -310,7 +354,7 @@ def _scored_block(
                           score_captures, SCORE_MOD)  # fmt: skip
     else:
         s, dmod = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634), 1.0
-    return k, v, visible, s, dmod
+    return k, v, visible, s, dmod, offs_n
 
 
 @triton.jit
@@ -324,7 +368,7 @@ def _flex_fwd_steps(
     BLOCK_N: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
-        k, v, visible, s, _ = _scored_block(q, idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b,
+        k, v, visible, s, _, _ = _scored_block(q, idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn, b,
                                             h, N, M, scale, captures, score_captures, MASK, MASK_MOD, SCORE_MOD,
                                             HAS_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
         acc, l_i, m_i = _fwd_scores(acc, l_i, m_i, s, v, visible, MASK)
@@ -336,17 +380,21 @@ def _flex_dq_steps(
     dq, q, do, lse2, delta,  # (BLOCK_M, BLOCK_DQK) float32 accumulator; this block's q, dout, lse2, delta
     k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
     idx_ptr, count,  # the key blocks to visit
-    b, h, N, M, scale, captures, score_captures,
+    b, h, N, M, scale, captures, score_captures, grad_captures,
     MASK: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, HAS_MOD: tl.constexpr,
-    DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+    GRAD_FN: tl.constexpr, HAS_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
-        k, v, visible, s, dmod = _scored_block(q, idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
-                                               b, h, N, M, scale, captures, score_captures, MASK, MASK_MOD,
-                                               SCORE_MOD, HAS_MOD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK,
-                                               BLOCK_DV)  # fmt: skip
-        dq = _dq_scores(dq, s, dmod, k, v, do, lse2, delta, visible, MASK, HAS_MOD)
+        k, v, visible, s, dmod, offs_n = _scored_block(q, idx_ptr + i, k_base, v_base, offs_m, offs_dk, offs_dv,
+                                                       skn, svn, b, h, N, M, scale, captures, score_captures, MASK,
+                                                       MASK_MOD, SCORE_MOD, HAS_MOD, DOT_FP32, BLOCK_N, D_QK, D_V,
+                                                       BLOCK_DQK, BLOCK_DV)  # fmt: skip
+        dq, ds = _dq_scores(dq, s, dmod, k, v, do, lse2, delta, visible, MASK, HAS_MOD)
+        if HAS_GRAD:  # the captured tensors' share: each (query, key) pair is visited here once
+            ds = tl.where((offs_m < N)[:, None] & (offs_n < M)[None, :], ds, 0.0)
+            GRAD_FN(ds, b, h, tl.minimum(offs_m, N - 1)[:, None], tl.minimum(offs_n, M - 1)[None, :],
+                    score_captures, grad_captures)  # fmt: skip
     return dq
 
 
@@ -438,7 +486,9 @@ def _flex_dq_kernel(
     part_num_ptr, part_idx_ptr, full_num_ptr, full_idx_ptr, smb, smh, NK,  # the block mask, as in the forward
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,  # strides of q (and dq), k, v, dout
     Hq, N, M, GROUP, scale, captures, score_captures,
+    grad_captures,  # score_captures with a float32 gradient buffer for each learned tensor (HAS_GRAD)
     MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, HAS_MOD: tl.constexpr,
+    GRAD_FN: tl.constexpr, HAS_GRAD: tl.constexpr,  # the modifier's gradient function, and whether to call it
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -460,8 +510,8 @@ def _flex_dq_kernel(
         idx_ptr = full_idx_ptr if MASK == 0 else part_idx_ptr
         dq = _flex_dq_steps(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_dk, offs_dv, skn, svn,
                             idx_ptr + row.to(tl.int64) * NK, tl.load(num_ptr + row), b, h, N, M, scale, captures,
-                            score_captures, MASK == 1, MASK_MOD, SCORE_MOD, HAS_MOD, DOT_FP32, BLOCK_N, D_QK, D_V,
-                            BLOCK_DQK, BLOCK_DV)  # fmt: skip
+                            score_captures, grad_captures, MASK == 1, MASK_MOD, SCORE_MOD, HAS_MOD, GRAD_FN,
+                            HAS_GRAD, DOT_FP32, BLOCK_N, D_QK, D_V, BLOCK_DQK, BLOCK_DV)  # fmt: skip
     _store_tile(_head_base(dq_ptr, b, h, 0, sqb, sqh, sqn, False), dq * scale, offs_m, sqn, N, offs_dk, D_QK,
                 BLOCK_DQK)  # fmt: skip
 
@@ -663,7 +713,9 @@ def _forward(q, k, v, block_mask: BlockMask, scale: float, score_mod=None, sinks
     return out, lse
 
 
-def _backward(dout, dlse, q, k, v, out, lse, block_mask: BlockMask, scale: float, score_mod=None):
+def _backward(dout, dlse, q, k, v, out, lse, block_mask: BlockMask, scale: float, score_mod=None, learned=()):
+    """dq, dk, dv, delta (the rowsum of dout * out less dlse) and {position: float32 gradient} for the captured
+    tensors of score_mod at the positions ``learned``."""
     B, Hq, N, _ = q.shape
     Hkv, M = k.shape[1], k.shape[2]
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
@@ -677,11 +729,15 @@ def _backward(dout, dlse, q, k, v, out, lse, block_mask: BlockMask, scale: float
     consts, varies = _launch_args(q, k, v, block_mask, score_mod)
     bmask = block_mask
     mod_captures = score_mod.captures if score_mod else ()
+    # a float32 buffer for the gradient of each captured tensor that requires grad, in its place in the tuple
+    grads = {i: torch.zeros(mod_captures[i].shape, device=q.device, dtype=torch.float32) for i in learned}
+    grad_captures = tuple(grads.get(i, 0) for i in range(len(mod_captures)))
+    grad_fn = score_mod.grad_fn if grads else block_mask.mask_mod  # a placeholder, never called, without grads
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     _flex_dq_kernel[(triton.cdiv(N, bmask.block_m), B * Hq)](
         q, k, v, dout, lse2, delta, dq, bmask.part_num, bmask.part_idx, bmask.full_num, bmask.full_idx,
         *_row_strides(bmask.part_num, varies), bmask.part_idx.shape[-1], *strides, Hq, N, M, Hq // Hkv, scale,
-        bmask.captures, mod_captures, **consts,
+        bmask.captures, mod_captures, grad_captures, GRAD_FN=grad_fn, HAS_GRAD=bool(grads), **consts,
     )  # fmt: skip
     consts.update(dkdv_launch(bmask.block_m, consts["BLOCK_DQK"] + consts["BLOCK_DV"]))
     _flex_dkdv_kernel[(triton.cdiv(M, bmask.block_n), B * Hkv)](
@@ -689,30 +745,35 @@ def _backward(dout, dlse, q, k, v, out, lse, block_mask: BlockMask, scale: float
         bmask.q_full_idx, *_row_strides(bmask.q_part_num, varies), bmask.q_part_idx.shape[-1], *strides, Hq, Hkv,
         N, M, Hq // Hkv, scale, bmask.captures, mod_captures, **consts,
     )  # fmt: skip
-    return dq, dk, dv, delta
+    return dq, dk, dv, delta, grads
 
 
 class _FlexAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_mask, scale, score_mod, sinks):
+    def forward(ctx, q, k, v, block_mask, scale, score_mod, sinks, *learned):  # learned: ScoreMod.learned's tensors
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         sinks32 = None if sinks is None else sinks.float().contiguous()
         out, lse = _forward(q, k, v, block_mask, scale, score_mod, sinks32)
         ctx.save_for_backward(q, k, v, out, lse, sinks32)
         ctx.block_mask, ctx.scale, ctx.score_mod = block_mask, scale, score_mod
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
+        ctx.learned = score_mod.learned if score_mod is not None else ()  # their positions in its captures
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks32 = ctx.saved_tensors
-        dq, dk, dv, delta = _backward(dout, dlse, q, k, v, out, lse, ctx.block_mask, ctx.scale, ctx.score_mod)
+        wanted = tuple(i for i, need in zip(ctx.learned, ctx.needs_input_grad[7:], strict=True) if need)
+        dq, dk, dv, delta, grads = _backward(dout, dlse, q, k, v, out, lse, ctx.block_mask, ctx.scale,
+                                             ctx.score_mod, wanted)  # fmt: skip
         dsinks = None
         if sinks32 is not None and ctx.needs_input_grad[6]:
             # the sink is a key whose value is 0: d loss / d sink = -sum over queries of P_sink * delta, delta the
             # backward's rowsum(dout * out) - dlse, P_sink = exp(sink - lse)
             dsinks = -(torch.exp(sinks32[None, :, None] - lse) * delta).sum(dim=(0, 2)).to(ctx.sinks_dtype)
-        return dq, dk, dv, None, None, None, dsinks
+        captures = ctx.score_mod.captures if ctx.score_mod is not None else ()
+        d_learned = tuple(grads[i].to(captures[i].dtype) if i in grads else None for i in ctx.learned)
+        return dq, dk, dv, None, None, None, dsinks, *d_learned
 
 
 # --------------------------------------------------------------------------------------------------
@@ -750,6 +811,9 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
         if not isinstance(score_mod.fn, _JIT_TYPES) or not isinstance(score_mod.captures, tuple):
             raise TypeError("a ScoreMod's fn must be a @triton.jit function (score, b, h, q_idx, kv_idx, captures) "
                             "and its captures a tuple")  # fmt: skip
+        if score_mod.learned and not isinstance(score_mod.grad_fn, _JIT_TYPES):
+            raise ValueError("a captured tensor of score_mod requires grad, but the ScoreMod has no grad_fn to give "
+                             "it one: add a @triton.jit grad_fn, or detach the tensor")  # fmt: skip
         check_same_device(q=q, **{f"score_mod.captures[{i}]": c for i, c in enumerate(score_mod.captures)
                                   if isinstance(c, torch.Tensor)})  # fmt: skip
     if sinks is not None:
@@ -770,7 +834,8 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
 
 @torch.compiler.disable  # a graph break under torch.compile: the mask function is no op argument (yet)
 def _apply(q, k, v, block_mask, scale, score_mod, sinks):
-    return _FlexAttention.apply(q, k, v, block_mask, scale, score_mod, sinks)
+    learned = [score_mod.captures[i] for i in score_mod.learned] if score_mod is not None else []
+    return _FlexAttention.apply(q, k, v, block_mask, scale, score_mod, sinks, *learned)
 
 
 def alibi_slopes(heads: int, device=None) -> torch.Tensor:
