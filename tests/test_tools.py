@@ -143,3 +143,32 @@ def test_the_course_s_prose_numbers_pass():
     notebooks = sorted(os.path.join(ROOT, "notebooks", n) for n in os.listdir(os.path.join(ROOT, "notebooks")))
     allowed = check.read_allowed(os.path.join(ROOT, "tools", "prose_numbers_allowed.txt"))
     assert check.check([n for n in notebooks if n.endswith(".ipynb")], allowed) == []
+
+
+def test_wrap_notebook_code_fits_the_column_and_changes_nothing_a_cell_does(capsys):
+    from tools import wrap_notebook_code as wrap
+
+    x = 41
+    source = (
+        "# a comment block that runs on and on past the book's column of seventy-five characters, and\n"
+        "# goes on for a second line too\n"
+        "%config InlineBackend.figure_format = 'png'\n"
+        "y = x + 1  # a trailing comment that also runs well past the column of seventy-five chars\n"
+        "print(\n"
+        '    f"the answer is {y} and the question is long enough to pass the column {x!r} "\n'
+        '    "and more."\n'
+        ")\n"
+    )
+    wrapped = wrap.wrap_cell(source)
+    assert all(len(line) <= wrap.WIDTH for line in wrapped.splitlines())
+    assert wrap._dump(wrapped.split("\n")) == wrap._dump(source.split("\n"))  # the same program
+    run = lambda src: exec("\n".join(l for l in src.splitlines() if not l.startswith("%")), {"x": x})  # noqa: E731
+    run(source)
+    before = capsys.readouterr().out
+    run(wrapped)
+    assert (
+        capsys.readouterr().out
+        == before
+        == "the answer is 42 and the question is long enough to pass the column 41 and more.\n"
+    )
+    assert wrap.wrap_cell(wrapped) == wrapped  # a second pass finds nothing to do
