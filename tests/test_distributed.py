@@ -36,12 +36,18 @@ def _run(tmp: Path, name: str, ranks: int, *args: str) -> list[dict]:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
+# The tests that share the single-process run go to one xdist worker (--dist loadgroup), which runs it once
+# (about a minute on the 2-core machine) instead of once per worker.
+RUNS_GROUP = pytest.mark.xdist_group("distributed-single-run")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distributed")
     return tmp, _run(tmp, "single", 1, "--strategy", "none", "--batch", "4", "--steps", str(STEPS))
 
 
+@RUNS_GROUP
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_train_like_one_process_of_the_global_batch(runs, strategy):
     tmp, single = runs
@@ -52,6 +58,7 @@ def test_two_ranks_train_like_one_process_of_the_global_batch(runs, strategy):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (strategy, a["step"])
 
 
+@RUNS_GROUP
 def test_checkpoint_reshards_between_two_ranks_and_one(runs):
     """Saved by 2 FSDP2 ranks at step 5, read by 1 process (no wrapper) for steps 5-7, saved, read by 2 DDP ranks
     for steps 8-9: every loss is the uninterrupted run's."""
