@@ -26,9 +26,10 @@ first value, the backward multiplies dS by the second (Triton has no autograd: t
 function). ``softcap(cap)`` (Gemma 2's ``cap * tanh(score / cap)``) and ``alibi(slopes)`` (a linear bias per head)
 are made for you, and ``relative_bias(table)``, a learned bias by relative position whose table gets its gradient:
 a ScoreMod's ``grad_fn`` adds the loss's gradient of each modified score into its captured tensors' buffers (the
-dQ kernel visits every pair once; atomics, as FlexAttention's captured-buffer gradients). Attention sinks (``sinks``, gpt-oss): a learned logit per query head that joins every query's
-softmax as a key with a zero value; the forward folds it into the running sum at the end, its gradient
--sum_i exp(sink - lse_i) delta_i is two PyTorch lines (tested under the interpreter only, not yet on a GPU).
+dQ kernel visits every pair once; atomics, as FlexAttention's captured-buffer gradients; tested under the
+interpreter only, not yet on a GPU). Attention sinks (``sinks``, gpt-oss): a learned logit per query head that
+joins every query's softmax as a key with a zero value; the forward folds it into the running sum at the end, its
+gradient -sum_i exp(sink - lse_i) delta_i is two PyTorch lines (tested under the interpreter only).
 
 Named patterns (``PATTERNS``: causal, sliding_window, document, prefix_lm) are mask functions with their captures
 made by ``compile_attention_kernel(pattern, **params)``, which returns a callable ``attend(q, k, v)`` that builds
